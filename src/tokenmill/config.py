@@ -1,0 +1,59 @@
+"""Engine settings: one frozen object, built from keyword arguments or CLI flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from tokenmill.errors import InvalidRequest
+
+PRECISIONS = ("exact", "fast")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # GGUF file or HF folder; None = the bundled SmolLM2-135M-Instruct
+    # KV pool size in tokens. 65536 tokens of SmolLM2-135M is 3 GiB in fp32, but the pool is
+    # allocated lazily (torch.empty), so only pages ever written become resident.
+    kv_cache_tokens: int = 65536
+    # 16 tokens a page: small enough that a request wastes < 16 slots, and page-aligned prefix
+    # sharing stays fine-grained; the gather cost in attention is per token, not per page.
+    page_size: int = 16
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decode rows)
+    max_num_seqs: int = 128  # running requests at most
+    max_model_len: int | None = None  # None: the model's context length
+    # exact: fp32 everywhere (token-identical to transformers); fast: bf16 for GEMMs with at least
+    # `bf16_min_rows` rows, fp32 for everything else (see model/linear.py for why).
+    precision: str = "exact"
+    bf16_min_rows: int = 32
+    num_threads: int | None = None  # None: all cores
+    seed: int = 0  # engine-level generator for unseeded requests
+
+    def __post_init__(self) -> None:
+        positive = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "bf16_min_rows")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}", param=name)
+        if self.kv_cache_tokens < self.page_size:
+            raise InvalidRequest("kv_cache_tokens must hold at least one page", param="kv_cache_tokens")
+        if self.precision not in PRECISIONS:
+            raise InvalidRequest(f"precision must be one of {PRECISIONS}, got {self.precision!r}", param="precision")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidRequest("max_model_len must be >= 1", param="max_model_len")
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_cache_tokens // self.page_size
+
+    @property
+    def threads(self) -> int:
+        return self.num_threads or os.cpu_count() or 1
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidRequest(f"unknown engine argument(s): {', '.join(unknown)}", param=unknown[0])
+        return cls(**kwargs)

@@ -1,0 +1,215 @@
+"""The engine core: admission, one step (schedule → forward → sample → update), and KV reclaim.
+
+It speaks token ids only. The offline `LLM`, the server's scheduler process and the tests all drive
+this same class; text (detokenization, stop strings) is the frontend's business, which reports a
+matched stop string back through `finish_request`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.errors import InvalidRequest
+from tokenmill.kvcache.page_pool import PagePool
+from tokenmill.model.runner import ModelRunner, SeqChunk
+from tokenmill.sample.logprobs import TokenLogprobs
+from tokenmill.sample.sampler import Sampler
+from tokenmill.sample.sampling_batch import SamplingBatch
+from tokenmill.sample.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id (None for EOS)
+    new_logprobs: list[TokenLogprobs] | None = None
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.pool = PagePool(config.num_pages, config.page_size)
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
+        self.sampler = Sampler(vocab_size, sorted(self.eos_token_ids), seed=config.seed)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ---- admission -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validates and queues a request; raises InvalidRequest naming the problem."""
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt")
+        params.check_token_ids(self.vocab_size)
+        n_prompt = len(prompt_token_ids)
+        room = self.max_model_len - n_prompt
+        if room < 1:
+            raise InvalidRequest(
+                f"the prompt has {n_prompt} tokens; the context length is {self.max_model_len}, "
+                "which leaves no room for output",
+                param="prompt",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequest(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                f"{self.max_model_len}",
+                param="max_tokens",
+            )
+        capacity = self.pool.num_pages * self.pool.page_size
+        if n_prompt + max_tokens > capacity:
+            raise InvalidRequest(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
+                f"({capacity} tokens); raise kv_cache_tokens or lower max_tokens",
+                param="max_tokens",
+            )
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens, generator)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self.prompt_tokens_total += n_prompt
+
+    def finish_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED, stop_reason: str | None = None
+    ) -> bool:
+        """Aborts (or, for a stop string the frontend found, stops) a request and frees its KV now.
+
+        Unknown or already finished ids are ignored: a duplicate abort must be harmless.
+        """
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        request.stop_reason = stop_reason
+        self.scheduler.finish(request, status)
+        self._maybe_check_idle()
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return []
+        self.num_steps += 1
+        now = time.monotonic()
+        chunks = []
+        for c in sched.chunks:
+            r = c.request
+            start = r.num_computed_tokens
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+            chunks.append(SeqChunk(r.all_token_ids[start : start + c.num_tokens], start, r.pages, c.samples))
+        sampling = [c.request for c in sched.chunks if c.samples]
+        logits = self.runner.execute(chunks)
+        for c in sched.chunks:
+            c.request.num_computed_tokens += c.num_tokens
+        if not sampling:
+            return []
+        batch = SamplingBatch(
+            params=[r.params for r in sampling],
+            generators=[r.generator for r in sampling],
+            prompt_token_ids=[r.prompt_token_ids for r in sampling],
+            output_token_ids=[r.output_token_ids for r in sampling],
+        )
+        sampled = self.sampler(logits, batch)
+        token_ids = sampled.token_ids.tolist()
+        outputs = []
+        for i, (request, token_id) in enumerate(zip(sampling, token_ids)):
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            request.append_output(token_id)
+            self.generation_tokens_total += 1
+            status = self._check_stop(request, token_id)
+            lp = sampled.logprobs[i] if sampled.logprobs else None
+            if status is not None:
+                self.requests.pop(request.request_id, None)
+                self.scheduler.finish(request, status)
+            outputs.append(
+                EngineOutput(
+                    request.request_id,
+                    [token_id],
+                    finished=status is not None,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=[lp] if lp is not None else None,
+                )
+            )
+        self._maybe_check_idle()
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.params
+        n_out = len(request.output_token_ids)
+        if n_out >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def _maybe_check_idle(self) -> None:
+        # Cheap (O(pages)) and catches leaks at the moment they become visible.
+        if not self.has_unfinished():
+            self.check_integrity()
+            if self.pool.num_free != self.pool.num_pages:
+                raise AssertionError(f"engine idle but {self.pool.num_pages - self.pool.num_free} KV pages in use")
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def stats(self) -> dict[str, int]:
+        total = self.pool.num_pages
+        free = self.pool.num_free
+        return {
+            "kv_pages_total": total,
+            "kv_pages_free": free,
+            "kv_pages_in_use": total - free,
+            "kv_page_size": self.pool.page_size,
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+        }

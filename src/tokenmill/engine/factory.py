@@ -1,0 +1,34 @@
+"""Builds an engine core from an EngineConfig: load weights, build the model, size the KV pool."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.model.loader import load_weights
+from tokenmill.model.registry import model_class
+from tokenmill.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine_core(config: EngineConfig) -> EngineCore:
+    torch.set_num_threads(config.threads)
+    start = time.monotonic()
+    loaded = load_weights(config.model)
+    mc = loaded.config
+    max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    bf16_min_rows = config.bf16_min_rows if config.precision == "fast" else None
+    model = model_class(mc.architecture)(mc, loaded.weights, max_model_len, bf16_min_rows=bf16_min_rows)
+    runner = ModelRunner(model, config.num_pages, config.page_size)
+    core = EngineCore(config, runner, mc.vocab_size, mc.eos_token_ids, max_model_len)
+    logger.info(
+        "loaded %s (%s, %d layers) in %.1fs; KV pool %d pages x %d tokens; precision %s; %d threads",
+        loaded.source, mc.architecture, mc.num_layers, time.monotonic() - start,
+        config.num_pages, config.page_size, config.precision, config.threads,
+    )
+    return core

@@ -1,0 +1,139 @@
+"""`tokenmill generate | chat | bench` — the command line over the offline engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tokenmill.config import EngineConfig
+from tokenmill.errors import TokenmillError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
+    g.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens, help="KV pool size in tokens")
+    g.add_argument("--page-size", type=int, default=d.page_size)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--precision", choices=["exact", "fast"], default=d.precision,
+                   help="exact: fp32 (matches transformers); fast: bf16 GEMMs on large batches")
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--seed", type=int, default=d.seed)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    keys = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+            "precision", "num_threads", "seed")
+    return {k: getattr(args, k) for k in keys}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):
+    from tokenmill.sample.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.llm import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args)
+    if args.stream:
+        for piece in llm.stream(args.prompt, params):
+            print(piece, end="", flush=True)
+        print()
+        return 0
+    out = llm.generate(args.prompt, params)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.llm import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("tokenmill chat — type a message; /bye or Ctrl-D to quit, /clear to forget the conversation.")
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line.strip() in ("/bye", "/exit", "/quit"):
+            return 0
+        if line.strip() == "/clear":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = {"prompt_token_ids": llm.chat_prompt_ids(messages)}
+        reply = []
+        try:
+            for piece in llm.stream(prompt, params):
+                reply.append(piece)
+                print(piece, end="", flush=True)
+        except KeyboardInterrupt:
+            pass  # stop this reply; the stream's cleanup aborts the request
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete one prompt and print the text")
+    p.add_argument("prompt")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=128)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with the model, streamed")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=512)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True)
+    from tokenmill.entrypoints.bench_throughput import add_throughput_parser
+
+    add_throughput_parser(bench, add_engine_args)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except TokenmillError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""The architecture hyper-parameters of a decoder-only transformer, whatever file they came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # Registry key: the Hugging Face `model_type` ("llama", "mistral", "qwen2", "qwen3").
+    # GGUF `general.architecture` values are mapped onto these by the loader.
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # The HF `rope_scaling` dict as given (e.g. llama3: factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); None means plain RoPE.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()

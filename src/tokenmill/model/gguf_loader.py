@@ -1,0 +1,198 @@
+"""Reads a llama.cpp GGUF file: metadata into ModelConfig, every tensor dequantized to fp32 with HF names."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.model.config import ModelConfig
+
+GGUF_MAGIC = b"GGUF"
+
+# GGUF `general.architecture` -> registry key. Mistral GGUFs say "llama": llama.cpp converts them as llama.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# llama.cpp's converter interleaves the rows of q/k (to its rope layout) for these architectures only;
+# its Qwen2/Qwen3 converters keep the HF layout, as transformers' GGUF loader assumes.
+_PERMUTED_QK = {"llama"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Llama 3.x GGUFs carry their rope scaling as per-frequency divisors rather than as metadata.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    _check_magic(path)
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the reader fails in many ways (struct, memmap, index) on a bad file
+        raise ModelLoadError(path, f"corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+    arch = _meta(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise ModelLoadError(path, f"unsupported architecture {arch!r} (supported: {supported})")
+    config = _config(reader, path, arch)
+    weights: dict[str, torch.Tensor] = {}
+    rope_freqs = None
+    for tensor in reader.tensors:
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+            # GGUF lists dims fastest-first; numpy wants them slowest-first.
+            array = array.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
+        except Exception as e:
+            raise ModelLoadError(path, f"cannot read tensor {tensor.name!r} ({type(e).__name__}: {e})") from e
+        if tensor.name == _ROPE_FREQS:
+            rope_freqs = array
+            continue
+        name = _hf_name(tensor.name, path)
+        if arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+            array = _unpermute_rows(array, heads)
+        # The reader memory-maps the file read-only and F32 tensors come back as views of that map:
+        # copy those (torch wants writable memory, and it must outlive the map); fresh arrays pass as is.
+        weights[name] = torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+    if rope_freqs is not None:
+        config = _with_llama3_scaling(config, rope_freqs, _meta(reader, f"{arch}.rope.dimension_count"), path)
+    return config, weights
+
+
+def _check_magic(path: str) -> None:
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(path, f"cannot read file ({e.strerror})") from e
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(path, f"not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+
+
+def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _hf_name(gguf_name: str, path: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_TENSOR.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ModelLoadError(path, f"unexpected tensor {gguf_name!r}: tokenmill does not know what it is")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    # llama.cpp stores each head's rows as (2, half) -> interleaved (half, 2); this swaps them back,
+    # exactly like transformers' LlamaTensorProcessor._reverse_permute_weights. Works for biases too.
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _config(reader: GGUFReader, path: str, arch: str) -> ModelConfig:
+    def need(key: str) -> Any:
+        value = _meta(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(path, f"GGUF metadata has no {arch}.{key}")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = _meta(reader, f"{arch}.attention.key_length") or _meta(reader, f"{arch}.rope.dimension_count")
+    vocab = _meta(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else None
+    if vocab is None:
+        raise ModelLoadError(path, f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+    eos = [_meta(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    return ModelConfig(
+        architecture=ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(head_dim or hidden // heads),
+        max_position_embeddings=int(need("context_length")),
+        rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id"),
+        # eot/eom: llama.cpp also stops generation on these (e.g. Llama 3 <|eot_id|>).
+        eos_token_ids=tuple(dict.fromkeys(int(t) for t in eos if t is not None)),
+    )
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+    kind = _meta(reader, f"{arch}.rope.scaling.type")
+    factor = _meta(reader, f"{arch}.rope.scaling.factor") or _meta(reader, f"{arch}.rope.scale_linear")
+    if kind is None and factor:
+        kind = "linear"  # old files only have rope.scale_linear
+    if kind in (None, "none"):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor or 1.0)}
+    original = _meta(reader, f"{arch}.rope.scaling.original_context_length")
+    if original:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _with_llama3_scaling(
+    config: ModelConfig, rope_freqs: np.ndarray, rope_dim: int | None, path: str
+) -> ModelConfig:
+    """Recover HF llama3 rope parameters from llama.cpp's per-frequency divisors.
+
+    The converter writes d = 1 (high frequencies), d = factor (low ones) and, in between,
+    d = 1 / ((1 - s) / factor + s) with s = (old_ctx / wavelen - low) / (high - low), i.e. s is linear
+    in 1 / wavelen. A line fit through the in-between points gives old_ctx / (high - low) and
+    low / (high - low); only these ratios matter, so low = 1 (as in every Llama 3.x) fixes the rest.
+    """
+    d = rope_freqs.astype(np.float64).reshape(-1)
+    factor = float(d.max())
+    if factor <= 1.0:
+        return config
+    if config.rope_scaling is not None:
+        raise ModelLoadError(path, "GGUF has both rope scaling metadata and a rope_freqs tensor")
+    dim = int(rope_dim or config.head_dim)
+    inv_freq = config.rope_theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    between = (d > 1.0 + 1e-5) & (d < factor - 1e-5 * factor)
+    if len(inv_freq) != len(d) or between.sum() < 2:
+        raise ModelLoadError(path, "cannot recover llama3 rope scaling from the rope_freqs tensor")
+    s = (1.0 / d[between] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    slope, intercept = np.polyfit(inv_freq[between] / (2 * np.pi), s, 1)
+    high = 1.0 - 1.0 / intercept
+    scaling = {
+        "rope_type": "llama3",
+        "factor": round(factor, 4),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": round(float(high), 4),
+        "original_max_position_embeddings": int(round(float(slope * (high - 1.0)))),
+    }
+    return dataclasses.replace(config, rope_scaling=scaling)

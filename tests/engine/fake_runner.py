@@ -1,0 +1,74 @@
+"""A model runner stand-in for scheduler/engine tests: no tensors of weights, but real paging.
+
+It stores each computed token id in the page slots the engine assigned, and checks on every step
+that the slots of a sequence's already-computed positions hold exactly that sequence's tokens. So a
+scheduler bug (wrong pages, lost pages after preemption, two requests sharing a page) fails the
+test. Its "logits" make the next token a deterministic function of the whole cached prefix, so
+outputs must not depend on batching, chunking or preemption.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.model.runner import SeqChunk
+
+
+class FakeRunner:
+    def __init__(self, num_pages: int, page_size: int, vocab_size: int) -> None:
+        self.page_size = page_size
+        self.vocab_size = vocab_size
+        self.slots: list[int | None] = [None] * (num_pages * page_size)
+        self.steps: list[list[tuple[int, int, bool]]] = []  # per step: (start, len, sample)
+
+    def _slot(self, pages: list[int], pos: int) -> int:
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        self.steps.append([(c.start, len(c.token_ids), c.sample) for c in chunks])
+        rows = []
+        for c in chunks:
+            for i, token in enumerate(c.token_ids):
+                self.slots[self._slot(c.pages, c.start + i)] = token
+            if c.sample:
+                end = c.start + len(c.token_ids)
+                prefix = [self.slots[self._slot(c.pages, p)] for p in range(end)]
+                assert None not in prefix, "read a slot that was never written"
+                rows.append(next_token(prefix, self.vocab_size))
+        logits = torch.full((len(rows), self.vocab_size), -10.0)
+        if rows:
+            logits[torch.arange(len(rows)), torch.tensor(rows)] = 10.0
+        return logits
+
+
+def next_token(prefix: list[int], vocab_size: int) -> int:
+    h = 0
+    for t in prefix:
+        h = (h * 31 + t + 7) % 1_000_003
+    # Never 0: token 0 plays EOS in these tests, so outputs run to max_tokens unless asked.
+    return 1 + h % (vocab_size - 1)
+
+
+def make_engine(vocab_size: int = 50, max_model_len: int = 4096, **config) -> tuple[EngineCore, FakeRunner]:
+    cfg = EngineConfig(**config)
+    runner = FakeRunner(cfg.num_pages, cfg.page_size, vocab_size)
+    return EngineCore(cfg, runner, vocab_size, eos_token_ids=[0], max_model_len=max_model_len), runner
+
+
+def reference_output(prompt: list[int], max_tokens: int, vocab_size: int = 50) -> list[int]:
+    seq = list(prompt)
+    for _ in range(max_tokens):
+        seq.append(next_token(seq, vocab_size))
+    return seq[len(prompt):]
+
+
+def run_to_completion(engine: EngineCore, check_every_step: bool = True) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if check_every_step:
+            engine.check_integrity()
+    return outputs

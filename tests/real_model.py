@@ -1,0 +1,66 @@
+"""Shared fixtures for the end-to-end tests on the bundled SmolLM2-135M-Instruct GGUF.
+
+Loading and dequantizing the GGUF takes seconds, so the weights are loaded once per session and
+every LLM built by these tests reuses them (the engine under test is still built fresh each time).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+import tokenmill.engine.factory as factory
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.model.default_model import default_model_path
+from tokenmill.model.loader import load_weights
+
+_cached_load = functools.lru_cache(maxsize=2)(load_weights)
+
+
+def make_llm(**engine_args) -> LLM:
+    engine_args.setdefault("num_threads", 2)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(factory, "load_weights", _cached_load)
+    try:
+        return LLM(**engine_args)
+    finally:
+        mp.undo()
+
+
+@functools.lru_cache(maxsize=1)
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    # ignore_eos means "do not stop at EOS", not "never sample EOS" (vLLM's meaning): with no EOS id
+    # set, generate() neither stops nor masks it, whereas min_new_tokens would mask it.
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=1)
+def hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, EOS ignored (the reference every fidelity test uses)."""
+    model = hf_model()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.config.eos_token_id,
+        )
+    return out[0, len(prompt_ids):].tolist()
