@@ -28,6 +28,9 @@ class EngineConfig:
     bf16_min_rows: int = 32
     num_threads: int | None = None  # None: all cores
     seed: int = 0  # engine-level generator for unseeded requests
+    # Radix-tree prefix cache: finished prompts' KV stays cached (evicted LRU when pages run short)
+    # and later requests with the same page-aligned prefix skip computing it.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         positive = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "bf16_min_rows")
@@ -39,6 +42,8 @@ class EngineConfig:
             raise InvalidRequest("kv_cache_tokens must hold at least one page", param="kv_cache_tokens")
         if self.precision not in PRECISIONS:
             raise InvalidRequest(f"precision must be one of {PRECISIONS}, got {self.precision!r}", param="precision")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidRequest("enable_prefix_caching must be true or false", param="enable_prefix_caching")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequest("max_model_len must be >= 1", param="max_model_len")
 

@@ -3,11 +3,15 @@
 It stores each computed token id in the page slots the engine assigned, and checks on every step
 that the slots of a sequence's already-computed positions hold exactly that sequence's tokens. So a
 scheduler bug (wrong pages, lost pages after preemption, two requests sharing a page) fails the
-test. Its "logits" make the next token a deterministic function of the whole cached prefix, so
+test. With prefix caching, a cached page is shared by every request that matched it and holds the
+same tokens for all of them, so the check stays exact; on top of it, writes into a page the prefix
+tree owns are refused (a request only ever computes into its own pages). Its "logits" make the next token a deterministic function of the whole cached prefix, so
 outputs must not depend on batching, chunking or preemption.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -22,6 +26,8 @@ class FakeRunner:
         self.vocab_size = vocab_size
         self.slots: list[int | None] = [None] * (num_pages * page_size)
         self.steps: list[list[tuple[int, int, bool]]] = []  # per step: (start, len, sample)
+        self.read_only_pages: Callable[[], set[int]] | None = None  # pages no chunk may write
+
 
     def _slot(self, pages: list[int], pos: int) -> int:
         return pages[pos // self.page_size] * self.page_size + pos % self.page_size
@@ -29,7 +35,13 @@ class FakeRunner:
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         self.steps.append([(c.start, len(c.token_ids), c.sample) for c in chunks])
         rows = []
+        frozen = self.read_only_pages() if self.read_only_pages is not None else set()
         for c in chunks:
+            # A real model samples from the hidden state of the last token it computes: a chunk
+            # with no tokens (a "full" prefix hit that skipped the last prompt token) has none.
+            assert c.token_ids, "an empty chunk"
+            written = {c.pages[(c.start + i) // self.page_size] for i in range(len(c.token_ids))}
+            assert not written & frozen, f"a chunk writes into cached pages {sorted(written & frozen)}"
             for i, token in enumerate(c.token_ids):
                 self.slots[self._slot(c.pages, c.start + i)] = token
             if c.sample:
@@ -54,7 +66,11 @@ def next_token(prefix: list[int], vocab_size: int) -> int:
 def make_engine(vocab_size: int = 50, max_model_len: int = 4096, **config) -> tuple[EngineCore, FakeRunner]:
     cfg = EngineConfig(**config)
     runner = FakeRunner(cfg.num_pages, cfg.page_size, vocab_size)
-    return EngineCore(cfg, runner, vocab_size, eos_token_ids=[0], max_model_len=max_model_len), runner
+    engine = EngineCore(cfg, runner, vocab_size, eos_token_ids=[0], max_model_len=max_model_len)
+    cache = engine.scheduler.cache
+    if cache is not None:
+        runner.read_only_pages = lambda: set(cache.all_pages())
+    return engine, runner
 
 
 def reference_output(prompt: list[int], max_tokens: int, vocab_size: int = 50) -> list[int]:

@@ -119,3 +119,15 @@ def test_caller_logits_untouched() -> None:
     p = SamplingParams(temperature=0.7, presence_penalty=1.0, logit_bias={0: 5.0}, min_p=0.1, top_k=3)
     sampler(logits, SamplingBatch([p], [None], [[]], [[2]]))
     assert logits.tolist() == [ROW]
+
+
+def test_ids_beyond_the_logits_are_ignored() -> None:
+    # Prompt / stop / bias ids past the logits' width (a narrower head than the tokenizer) do nothing.
+    p = SamplingParams(repetition_penalty=2.0, min_tokens=1, stop_token_ids=[99], logit_bias={98: 1.0})
+    [out] = process([ROW], [p], [[0, 97]], [[]], eos=(5, 96))
+    assert out == [0.5, -2.0, 3.0, 0.5, -1.0, -INF]
+
+
+def test_empty_batch() -> None:
+    out = Sampler(10, [2])(torch.zeros(0, 10), SamplingBatch([], [], [], []))
+    assert out.token_ids.shape == (0,) and out.logprobs == []

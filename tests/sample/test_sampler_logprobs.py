@@ -38,7 +38,7 @@ def test_sampled_logprobs_are_raw() -> None:
     ]
     gens = [None, None, None, None, torch.Generator().manual_seed(1), None]
     batch = SamplingBatch(params, gens, [[1, 2]] * 6, [[3, 4, 5]] * 6)
-    out = Sampler(VOCAB, [0]).__call__(logits, batch)
+    out = Sampler(VOCAB, [0])(logits, batch)
     assert out.logprobs[3] is None
     for i, n in [(0, 5), (1, 20), (2, 0), (4, 3), (5, 1)]:
         lp = out.logprobs[i]

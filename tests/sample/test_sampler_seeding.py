@@ -75,7 +75,7 @@ def test_different_seeds_differ(name: str) -> None:
 def test_greedy_rows_are_argmax_whatever_the_batch() -> None:
     greedy = SamplingParams(temperature=0.0)
     logits = torch.randn(17, VOCAB, generator=torch.Generator().manual_seed(5))
-    alone = Sampler(VOCAB, []).__call__(logits[:1], SamplingBatch([greedy], [None], [[]], [[]])).token_ids
+    alone = Sampler(VOCAB, [])(logits[:1], SamplingBatch([greedy], [None], [[]], [[]])).token_ids
     params = [greedy if i % 2 == 0 else SamplingParams(**FILTERS["all"]) for i in range(17)]
     mixed = Sampler(VOCAB, [], seed=3)(logits, SamplingBatch(params, [None] * 17, [[]] * 17, [[]] * 17))
     tokens = mixed.token_ids

@@ -38,6 +38,7 @@ class EngineOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id (None for EOS)
     new_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (page-aligned)
 
 
 class EngineCore:
@@ -55,7 +56,9 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.pool = PagePool(config.num_pages, config.page_size)
-        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.pool, config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching
+        )
         self.sampler = Sampler(vocab_size, sorted(self.eos_token_ids), seed=config.seed)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -63,8 +66,20 @@ class EngineCore:
         self.generation_tokens_total = 0
 
     # ---- admission -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Validates and queues a request; raises InvalidRequest naming the problem."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validates and queues a request; raises InvalidRequest naming the problem.
+
+        `cache_salt` picks the prefix-cache namespace: requests with different salts never share
+        cached KV (tenant isolation); requests without one share the common space.
+        """
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequest(f"cache_salt must be a string, got {type(cache_salt).__name__}", param="cache_salt")
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         if not prompt_token_ids:
@@ -96,7 +111,7 @@ class EngineCore:
                 param="max_tokens",
             )
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        request = Request(request_id, list(prompt_token_ids), params, max_tokens, generator)
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens, generator, cache_salt)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.prompt_tokens_total += n_prompt
@@ -104,7 +119,7 @@ class EngineCore:
     def finish_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED, stop_reason: str | None = None
     ) -> bool:
-        """Aborts (or, for a stop string the frontend found, stops) a request and frees its KV now.
+        """Aborts (or, for a stop string the frontend found, stops) a request and releases its KV now.
 
         Unknown or already finished ids are ignored: a duplicate abort must be harmless.
         """
@@ -140,6 +155,10 @@ class EngineCore:
         logits = self.runner.execute(chunks)
         for c in sched.chunks:
             c.request.num_computed_tokens += c.num_tokens
+            if c.num_tokens > 1:
+                # A prefill chunk: publish its full pages now, so requests admitted while this one
+                # is still running share its prompt. Decode pages wait for the release.
+                self.scheduler.cache_computed(c.request)
         if not sampling:
             return []
         batch = SamplingBatch(
@@ -169,6 +188,7 @@ class EngineCore:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     new_logprobs=[lp] if lp is not None else None,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         self._maybe_check_idle()
@@ -189,22 +209,38 @@ class EngineCore:
 
     # ---- accounting ----------------------------------------------------------------------------
     def _maybe_check_idle(self) -> None:
-        # Cheap (O(pages)) and catches leaks at the moment they become visible.
+        # Cheap (O(pages + tree nodes)) and catches leaks at the moment they become visible.
         if not self.has_unfinished():
             self.check_integrity()
-            if self.pool.num_free != self.pool.num_pages:
-                raise AssertionError(f"engine idle but {self.pool.num_pages - self.pool.num_free} KV pages in use")
+            cache = self.scheduler.cache
+            idle = self.pool.num_free + self.scheduler.num_cached_pages
+            if idle != self.pool.num_pages or (cache is not None and cache.num_locked_pages):
+                raise AssertionError(f"engine idle but {self.pool.num_pages - idle} KV pages held by requests")
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
-    def stats(self) -> dict[str, int]:
+    def reset_prefix_cache(self) -> bool:
+        """Evicts every cached page that no running request holds; True if the cache is now empty
+        (benchmarks reset between repeats so that one run is not served from the previous one)."""
+        cache = self.scheduler.cache
+        if cache is None:
+            return True
+        cache.evict_all()
+        return cache.num_pages == 0
+
+    def stats(self) -> dict[str, int | float]:
         total = self.pool.num_pages
         free = self.pool.num_free
+        cached = self.scheduler.num_cached_pages
+        cache = self.scheduler.cache
+        queries = self.scheduler.prefix_query_tokens
+        hits = self.scheduler.prefix_hit_tokens
         return {
             "kv_pages_total": total,
-            "kv_pages_free": free,
-            "kv_pages_in_use": total - free,
+            "kv_pages_free": free,  # in the pool; cached pages are not counted here
+            "kv_pages_in_use": total - free - cached,  # held by running requests (not by the tree)
+            "kv_pages_cached": cached,  # owned by the prefix tree, evictable unless a request locks them
             "kv_page_size": self.pool.page_size,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
@@ -212,4 +248,8 @@ class EngineCore:
             "num_steps": self.num_steps,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "prefix_cache_queries_tokens_total": queries,
+            "prefix_cache_hit_tokens_total": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "kv_pages_evicted": cache.num_evicted_pages if cache is not None else 0,
         }

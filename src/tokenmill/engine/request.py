@@ -5,23 +5,43 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.sample.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from tokenmill.kvcache.radix_cache import RadixNode
+
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"  # pages taken back; waits to recompute prompt + output so far
+    WAITING = "waiting"  # queued, never admitted; holds no KV
+    RUNNING = "running"  # holds KV: private pages, and possibly a locked path in the prefix tree
+    PREEMPTED = "preempted"  # KV given back; waits to recompute prompt + output so far
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+# The only moves a request may make. KV is held exactly while RUNNING, so every move out of RUNNING
+# is also the one place the KV is released: a second release would need a second move out of
+# RUNNING, which this table refuses.
+_ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, *_FINISHED}),
+    RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED, *_FINISHED}),
+    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, *_FINISHED}),
+    **{s: frozenset() for s in _FINISHED},
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A request was moved between states in an order its lifecycle does not allow (an engine bug)."""
 
 
 @dataclass
@@ -31,11 +51,18 @@ class Request:
     params: SamplingParams
     max_tokens: int  # resolved: params.max_tokens, or what the context leaves
     generator: torch.Generator | None = None  # seeded requests only
+    cache_salt: str | None = None  # prefix-cache namespace: different salts never share KV
     output_token_ids: list[int] = field(default_factory=list)
-    # The one progress counter: tokens whose K/V are in the cache. Prefill, chunked prefill, decode
-    # and recompute after preemption are all "compute tokens num_computed_tokens..num_tokens".
+    # The one progress counter: tokens whose K/V are in the cache. Prefill, chunked prefill, decode,
+    # a prefix-cache hit and recompute after preemption are all "compute num_computed_tokens..num_tokens".
     num_computed_tokens: int = 0
+    # KV pages for positions 0.. in order. The first `num_tree_pages` belong to the prefix tree (the
+    # request only holds a lock on their path, `tree_node`); the rest are this request's own.
     pages: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0
+    tree_node: RadixNode | None = None
+    # Prompt tokens served from the prefix cache at first admission (what usage reports as cached).
+    num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -56,9 +83,18 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def holds_kv(self) -> bool:
+        return self.status == RequestStatus.RUNNING
+
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def move_to(self, status: RequestStatus) -> None:
+        if status not in _ALLOWED[self.status]:
+            raise IllegalTransition(f"request {self.request_id!r}: {self.status.name} -> {status.name} is not allowed")
+        self.status = status
 
     @property
     def finish_reason(self) -> str | None:

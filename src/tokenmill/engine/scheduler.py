@@ -1,13 +1,19 @@
-"""Continuous batching under one token budget.
+"""Continuous batching under one token budget, on top of a paged KV pool and a prefix cache.
 
 Every step: running requests first (in admission order), each asking for the tokens it still lacks
 (`num_tokens - num_computed_tokens`: one for a decode row, a chunk of the prompt for a prefill);
 then waiting requests join while budget, sequence slots and pages allow. Chunked prefill, mixed
-prefill/decode steps and recompute after preemption all follow from that single counter.
+prefill/decode steps, prefix-cache hits and recompute after preemption all follow from that single
+counter.
 
-When the pool runs dry, the newest running request is preempted: its pages go back to the pool and
-it returns to the front of the waiting queue, to recompute prompt + output so far. Admission is
-checked up front (`check_fits`), so a lone request always fits and the loop cannot deadlock.
+A waiting request is matched against the prefix cache when it is admitted (not when it is queued:
+the tree changes while it waits, and a lock held in the queue would pin pages nobody computes with).
+It locks the matched path and starts at `num_computed_tokens` = the matched length.
+
+When pages run short the scheduler first evicts unlocked cached pages, and only then preempts the
+newest running request; a preempted request's full pages go into the tree (unlocked), so the next
+eviction can take them, or, if nobody needs them, its recompute is a cache hit. Admission is checked
+up front (`EngineCore.add_request`), so a lone request always fits and the loop cannot deadlock.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.kvcache.page_pool import PagePool
+from tokenmill.kvcache.radix_cache import RadixCache
+
+TREE_HOLDER = "<prefix cache>"
 
 
 @dataclass
@@ -41,13 +50,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.pool = pool
+        self.cache = RadixCache(pool) if enable_prefix_caching else None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Prefix-cache counters over first admissions (prompt tokens looked up / found).
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -56,6 +71,7 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -71,22 +87,30 @@ class Scheduler:
         # After a preemption memory is short: admitting more would only preempt again.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            first_admission = request.status == RequestStatus.WAITING
+            self._match_prefix(request)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.pages)
-            if need > self.pool.num_free:
+            if not self._make_room(need):
+                self._unmatch_prefix(request)
                 break
             request.pages.extend(self.pool.allocate(need))
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
+            request.move_to(RequestStatus.RUNNING)
             self.running.append(request)
+            if first_admission:
+                request.num_cached_tokens = request.num_computed_tokens
+                if self.cache is not None:
+                    self.prefix_query_tokens += request.num_prompt_tokens
+                    self.prefix_hit_tokens += request.num_computed_tokens
             out.chunks.append(ScheduledChunk(request, n))
             budget -= n
         return out
 
     def _reserve(self, request: Request, n: int, out: SchedulerOutput) -> bool:
-        """Pages for `n` more tokens of `request`, preempting the newest requests if needed."""
+        """Pages for `n` more tokens of `request`, evicting, then preempting the newest requests."""
         need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.pages)
-        while need > self.pool.num_free:
+        while not self._make_room(need):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
@@ -96,30 +120,131 @@ class Scheduler:
             request.pages.extend(self.pool.allocate(need))
         return True
 
-    def _preempt(self, request: Request) -> None:
-        self.pool.free(request.pages)
+    def _make_room(self, need: int) -> bool:
+        """Whether `need` pages are free, evicting unlocked cached pages if that makes it so."""
+        short = need - self.pool.num_free
+        if short <= 0:
+            return True
+        if self.cache is None or self.cache.num_evictable_pages < short:
+            return False  # evicting without reaching `need` would throw cache away for nothing
+        self.cache.evict(short)
+        return True
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def _match_prefix(self, request: Request) -> None:
+        if self.cache is None:
+            return
+        # A full hit must still compute the last known token (its logits sample the next one), and
+        # only whole pages are shared: match at most num_tokens - 1, rounded down to a page.
+        size = self.pool.page_size
+        limit = (request.num_tokens - 1) // size * size
+        if limit == 0:
+            return
+        match = self.cache.match(request.all_token_ids[:limit], request.cache_salt)
+        if match.num_pages == 0:
+            return
+        self.cache.lock(match.node)
+        request.tree_node = match.node
+        request.pages = list(match.pages)
+        request.num_tree_pages = match.num_pages
+        request.num_computed_tokens = match.num_pages * size
+
+    def _unmatch_prefix(self, request: Request) -> None:
+        """Undoes `_match_prefix` for a request that could not be admitted after all."""
+        if self.cache is not None:
+            self.cache.unlock(request.tree_node)
+        request.tree_node = None
         request.pages = []
+        request.num_tree_pages = 0
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+
+    def cache_computed(self, request: Request) -> None:
+        """Hands the full computed pages of a running request to the tree, which then owns them.
+
+        Called after prefill chunks (so requests admitted later share a prompt that is still being
+        decoded) and on release. Where the tree already had a page for a position (another request
+        computed the same tokens first), the request switches to the tree's page and frees its own
+        copy: same tokens at the same positions, so the same K/V.
+        """
+        if self.cache is None or not request.holds_kv:
+            return
+        num_full = request.num_computed_tokens // self.pool.page_size
+        if num_full <= request.num_tree_pages:
+            return
+        mine = request.pages[:num_full]
+        match = self.cache.insert(request.all_token_ids[: num_full * self.pool.page_size], mine, request.cache_salt)
+        if match.pages[: request.num_tree_pages] != mine[: request.num_tree_pages]:
+            raise AssertionError(f"request {request.request_id!r}: its locked prefix changed pages in the tree")
+        dropped = [p for p, t in zip(mine, match.pages) if p != t]
+        request.pages[:num_full] = match.pages
+        # Lock the new end before unlocking the old one: the shared path never looks unlocked.
+        self.cache.lock(match.node)
+        self.cache.unlock(request.tree_node)
+        request.tree_node = match.node
+        request.num_tree_pages = num_full
+        self.pool.free(dropped)
+
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        """Moves a running request out of RUNNING and disposes of its KV: full computed pages to
+        the tree (when caching), the lock released, everything else back to the pool."""
+        self.cache_computed(request)
+        request.move_to(status)  # raises on a second release: the request is no longer RUNNING
+        if self.cache is not None:
+            self.cache.unlock(request.tree_node)
+        own = request.pages[request.num_tree_pages :]
+        request.pages = []
+        request.num_tree_pages = 0
+        request.tree_node = None
+        self.pool.free(own)
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request, RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Ends a request wherever it is (running or waiting) and returns its pages at once."""
-        if request.status.finished:
-            return  # already ended, e.g. a duplicate abort: harmless by design
+        """Ends a request wherever it is (running or waiting) and returns its KV at once.
+
+        Finished, stopped and aborted requests alike leave their full computed pages in the tree:
+        the engine is synchronous, so all of them hold K/V that is complete and correct for its
+        tokens (an abort never lands mid-step), and a retried request can reuse them.
+        """
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._release(request, status)
+        elif request.status.finished:
+            request.move_to(status)  # raises: a request ends (and releases its KV) once
         else:
             self.waiting.remove(request)
-        self.pool.free(request.pages)
-        request.pages = []
-        request.status = status
+            request.move_to(status)  # raises if it already finished
 
+    # ---- accounting --------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        owned = {r.request_id: r.pages for r in self.running}
+        """Every page is free, owned by exactly one running request, or owned by the tree; lock
+        counts equal the running requests holding each path; waiting requests hold nothing."""
+        owned: dict[str, list[int]] = {}
+        for r in self.running:
+            if r.status != RequestStatus.RUNNING:
+                raise AssertionError(f"request {r.request_id!r} is in the running list as {r.status.name}")
+            owned[r.request_id] = r.pages[r.num_tree_pages :]
+            if self.cache is not None and r.pages[: r.num_tree_pages] != self.cache.path_pages(r.tree_node):
+                raise AssertionError(f"request {r.request_id!r}: its prefix pages differ from its tree path")
+            if r.num_computed_tokens < r.num_tree_pages * self.pool.page_size:
+                raise AssertionError(f"request {r.request_id!r} uses cached pages it has not counted as computed")
         for r in self.waiting:
-            if r.pages:
-                owned[r.request_id] = r.pages
+            if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise AssertionError(f"request {r.request_id!r} is in the waiting queue as {r.status.name}")
+            if r.pages or r.tree_node is not None or r.num_computed_tokens:
+                raise AssertionError(f"waiting request {r.request_id!r} holds KV")
+        if self.cache is not None:
+            self.cache.check_integrity(r.tree_node for r in self.running)
+            owned[TREE_HOLDER] = self.cache.all_pages()
         self.pool.check_integrity(owned)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self.cache.num_pages if self.cache is not None else 0

@@ -23,11 +23,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="exact: fp32 (matches transformers); fast: bf16 GEMMs on large batches")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
+                   default=d.enable_prefix_caching, help="reuse cached KV of shared prompt prefixes (default: on)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="compute every prompt in full; nothing is cached")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-            "precision", "num_threads", "seed")
+            "precision", "num_threads", "seed", "enable_prefix_caching")
     return {k: getattr(args, k) for k in keys}
 
 

@@ -104,6 +104,10 @@ class LLM:
     def check_integrity(self) -> None:
         self.engine.check_integrity()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drops every unlocked cached page; True if the cache is now empty."""
+        return self.engine.reset_prefix_cache()
+
     # ---- internals -------------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -140,6 +144,8 @@ class LLM:
             while pending:
                 for out in self.engine.step():
                     state, completion = states[out.request_id]
+                    parent = out.request_id.rsplit("-", 1)[0]
+                    by_id[parent].num_cached_tokens = max(by_id[parent].num_cached_tokens, out.num_cached_tokens)
                     if out.new_logprobs:
                         logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
                     delta = self._apply(state, out)
@@ -153,7 +159,6 @@ class LLM:
                         # Tokens cut by a stop string are not returned, so neither are their logprobs.
                         completion.logprobs = logprobs.pop(out.request_id, [])[: delta.num_output_tokens]
                     pending -= 1
-                    parent = out.request_id.rsplit("-", 1)[0]
                     left_per_result[parent] -= 1
                     if left_per_result[parent] == 0:
                         by_id[parent].finished = True

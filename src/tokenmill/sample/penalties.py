@@ -7,7 +7,7 @@ not the vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ class LogitsProcessors:
             self.history.apply(logits, batch, plan.penalties)
 
 
-def _fill(logits: torch.Tensor, vocab: int, rows_ids) -> None:
+def _fill(logits: torch.Tensor, vocab: int, rows_ids: Iterable[tuple[int, Iterable[int]]]) -> None:
     rows: list[int] = []
     cols: list[int] = []
     for r, ids in rows_ids:
@@ -55,11 +55,11 @@ def _fill(logits: torch.Tensor, vocab: int, rows_ids) -> None:
         dev = logits.device
         logits.index_put_(
             (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-            torch.tensor(_NEG_INF, device=dev),
+            torch.tensor(_NEG_INF, dtype=logits.dtype, device=dev),
         )
 
 
-def _add_bias(logits: torch.Tensor, vocab: int, rows_bias) -> None:
+def _add_bias(logits: torch.Tensor, vocab: int, rows_bias: Iterable[tuple[int, dict[int, float]]]) -> None:
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
@@ -170,21 +170,23 @@ class PenaltyHistory:
             self._entries = {k: e for k, e in self._entries.items() if e.step > old}
         if not sum(sizes):
             return
+        # Index arithmetic in numpy: cheaper than a handful of small torch ops per step.
+        vocab = logits.shape[1]
+        key = np.concatenate(keys)
+        cnt = np.concatenate(counts)
+        pos = key + np.repeat(np.asarray(rows, dtype=np.int64) * vocab, sizes)
+        coef = np.repeat(np.asarray(coefs, dtype=np.float32), sizes, axis=0)
+        if key.max() >= vocab:  # prompt ids beyond these logits: nothing to penalise
+            keep = key < vocab
+            pos, cnt, coef = pos[keep], cnt[keep], coef[keep]
         dev = logits.device
-        sizes_t = torch.tensor(sizes, device=dev)
-        row_t = torch.tensor(rows, device=dev).repeat_interleave(sizes_t)
-        key_t = torch.from_numpy(np.concatenate(keys)).to(dev)
-        cnt_t = torch.from_numpy(np.concatenate(counts)).to(dev)
-        coef_t = torch.tensor(coefs, dtype=logits.dtype, device=dev).repeat_interleave(sizes_t, dim=0)
-        if int(key_t.max()) >= logits.shape[1]:  # prompt ids beyond these logits: nothing to penalise
-            keep = key_t < logits.shape[1]
-            row_t, key_t, cnt_t, coef_t = row_t[keep], key_t[keep], cnt_t[keep], coef_t[keep]
-        rep_t, freq_t, pres_t = coef_t.unbind(dim=1)
+        pos_t = torch.from_numpy(pos).to(dev)
+        cnt_t = torch.from_numpy(cnt).to(dev, logits.dtype)
+        rep_t, freq_t, pres_t = torch.from_numpy(coef).to(dev, logits.dtype).unbind(dim=1)
         # Flat 1-D gather/scatter: several times faster on CPU than 2-D advanced indexing.
         flat = logits.view(-1)  # the sampler's own contiguous copy
-        pos = row_t * logits.shape[1] + key_t
-        v = flat.index_select(0, pos)
+        v = flat.index_select(0, pos_t)
         # HF/vLLM repetition penalty: shrink positive logits, push negative ones further down.
         v = torch.where(v > 0, v / rep_t, v * rep_t)
         v = v - freq_t * cnt_t - pres_t * (cnt_t > 0).to(v.dtype)
-        flat.index_copy_(0, pos, v)
+        flat.index_copy_(0, pos_t, v)

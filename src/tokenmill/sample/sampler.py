@@ -25,6 +25,8 @@ among the rest with full-vocabulary noise.
 Reproducibility: a seeded row draws from its own generator a number of values, and assigns them to
 tokens in an order (kept candidates by token id, or the whole vocabulary), that depend only on its own
 logits and params, never on the other rows of the batch or its row index.
+Ties: logits exactly equal at the top_k boundary are cut to exactly k by topk's order (vLLM keeps them
+all); tied logits inside the kept set are unaffected.
 """
 
 from __future__ import annotations

@@ -1,0 +1,288 @@
+"""The prefix cache: a radix tree over token ids whose nodes own KV pages.
+
+Keys are page-aligned: every edge holds a whole number of pages (`len(key) == len(pages) * page_size`)
+and a node's children are keyed by the first page of their edge, so two children never start with
+the same page and a lookup costs one dict probe plus one comparison per page.
+
+Ownership. A page in the tree belongs to the tree alone; a running request that uses a cached prefix
+holds a *lock* on the node where its prefix ends, and `lock_ref` counts, on every node, the requests
+whose locked node lies at or below it (so `lock_ref(parent) >= lock_ref(child)`, and an unlocked
+node's whole subtree is unlocked). Locked nodes are never evicted and never trimmed.
+
+Namespaces. Each `cache_salt` has its own root (None is the shared default), so requests with
+different salts can never match each other's KV, whatever their tokens.
+
+Eviction frees unlocked leaves in least-recently-used order; a leaf longer than needed loses only
+its tail pages (the deepest positions, the least likely to be matched again), and a parent that
+becomes an unlocked leaf joins the candidates. Recency is a logical clock, touched on every node of
+a matched or inserted path, so a parent is never older than its children.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from tokenmill.kvcache.page_pool import PagePool
+
+
+class RadixNode:
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: list[int], pages: list[int], parent: RadixNode | None, now: int) -> None:
+        self.key = key  # the tokens of the edge into this node
+        self.pages = pages  # their KV pages, one per page_size tokens
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = now
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        return f"RadixNode(tokens={len(self.key)}, pages={self.pages}, lock_ref={self.lock_ref})"
+
+
+@dataclass
+class PrefixMatch:
+    node: RadixNode | None  # where the match ends (a root when nothing matched; None: unknown salt)
+    pages: list[int]  # the cached pages of the matched prefix, in position order
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+
+class RadixCache:
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self._roots: dict[str | None, RadixNode] = {}
+        self._clock = itertools.count(1)
+        self.num_pages = 0  # pages the tree owns
+        self.num_locked_pages = 0  # of those, pages on a path some running request holds
+        self.num_evicted_pages = 0
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self.num_pages - self.num_locked_pages
+
+    # ---- lookup and insertion --------------------------------------------------------------------
+    def match(self, tokens: list[int], salt: str | None = None) -> PrefixMatch:
+        """The longest cached page-aligned prefix of `tokens` (whose length must be page-aligned).
+
+        A match that ends inside an edge splits it there, so the returned node is exactly the end of
+        the prefix and a lock on it protects precisely the pages the caller uses.
+        """
+        self._check_aligned(tokens)
+        root = self._roots.get(salt)
+        if root is None:
+            return PrefixMatch(None, [])
+        now = next(self._clock)
+        node, pos, pages = root, 0, []
+        while pos < len(tokens):
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, pos)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = now
+            pages.extend(child.pages)
+            pos += n * self.page_size
+            node = child
+        return PrefixMatch(node, pages)
+
+    def insert(self, tokens: list[int], pages: list[int], salt: str | None = None) -> PrefixMatch:
+        """Caches `pages` as the KV of `tokens`; returns the tree's node and pages for all of `tokens`.
+
+        Where the tree already holds a page for a position, it keeps its own: the caller compares
+        the returned pages with its own and frees each of its pages that the tree did not take.
+        """
+        self._check_aligned(tokens)
+        if len(pages) * self.page_size != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens need {len(tokens) // self.page_size} pages, got {len(pages)}")
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = RadixNode([], [], None, 0)
+        now = next(self._clock)
+        node, pos, out = root, 0, []
+        while pos < len(tokens):
+            key = self._page_key(tokens, pos)
+            child = node.children.get(key)
+            if child is None:
+                first = pos // self.page_size
+                child = RadixNode(tokens[pos:], pages[first:], node, now)
+                node.children[key] = child
+                self.num_pages += len(child.pages)
+                out.extend(child.pages)
+                return PrefixMatch(child, out)
+            n = self._common_pages(child.key, tokens, pos)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = now
+            out.extend(child.pages)
+            pos += n * self.page_size
+            node = child
+        return PrefixMatch(node, out)
+
+    # ---- locks ---------------------------------------------------------------------------------
+    def lock(self, node: RadixNode | None) -> None:
+        while node is not None and not node.is_root:
+            if node.lock_ref == 0:
+                self.num_locked_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode | None) -> None:
+        while node is not None and not node.is_root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"unlock of an unlocked prefix-cache node {node!r}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.num_locked_pages -= len(node.pages)
+            node = node.parent
+
+    # ---- eviction ------------------------------------------------------------------------------
+    def evict(self, num_pages: int) -> int:
+        """Frees up to `num_pages` unlocked pages to the pool, LRU leaves first; returns how many."""
+        if num_pages <= 0 or self.num_evictable_pages == 0:
+            return 0
+        tie = itertools.count()  # heap tie-break: nodes themselves are not comparable
+        heap = [(n.last_access, next(tie), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_pages:
+            _, _, node = heapq.heappop(heap)
+            take = min(len(node.pages), num_pages - freed)
+            if take < len(node.pages):
+                # Trim the tail: the node keeps its (page-aligned) head, still a valid prefix.
+                victims = node.pages[-take:]
+                node.pages = node.pages[:-take]
+                node.key = node.key[: len(node.pages) * self.page_size]
+            else:
+                victims = node.pages
+                parent = node.parent
+                assert parent is not None
+                del parent.children[self._page_key(node.key, 0)]
+                if parent.is_root:
+                    if not parent.children:
+                        self._drop_root(parent)
+                elif not parent.children and parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access, next(tie), parent))
+            self.pool.free(victims)
+            self.num_pages -= len(victims)
+            freed += len(victims)
+        self.num_evicted_pages += freed
+        return freed
+
+    def evict_all(self) -> int:
+        """Frees every unlocked page (for a cache reset, and for tests)."""
+        return self.evict(self.num_evictable_pages)
+
+    # ---- inspection ----------------------------------------------------------------------------
+    def path_pages(self, node: RadixNode | None) -> list[int]:
+        """The pages from the root down to `node`, in position order."""
+        parts: list[list[int]] = []
+        while node is not None and not node.is_root:
+            parts.append(node.pages)
+            node = node.parent
+        return [p for part in reversed(parts) for p in part]
+
+    def all_pages(self) -> list[int]:
+        return [p for n in self._nodes() for p in n.pages]
+
+    def check_integrity(self, locked: Iterable[RadixNode | None]) -> None:
+        """Structure, page counts and lock counts; `locked`: the node each running request holds."""
+        expected: Counter[int] = Counter()
+        for node in locked:
+            while node is not None and not node.is_root:
+                expected[id(node)] += 1
+                node = node.parent
+        seen_nodes: set[int] = set()
+        pages = locked_pages = 0
+        for salt, root in self._roots.items():
+            if root.key or root.pages or root.lock_ref:
+                raise AssertionError(f"root of salt {salt!r} holds tokens, pages or locks")
+            for node in self._subtree(root):
+                for key, child in node.children.items():
+                    if child.parent is not node:
+                        raise AssertionError(f"{child!r} is linked under the wrong parent")
+                    if key != self._page_key(child.key, 0):
+                        raise AssertionError(f"{child!r} is filed under a key that is not its first page")
+                if node.is_root:
+                    continue
+                seen_nodes.add(id(node))
+                if not node.pages or len(node.key) != len(node.pages) * self.page_size:
+                    raise AssertionError(f"{node!r} has {len(node.key)} tokens for {len(node.pages)} pages")
+                if node.lock_ref != expected[id(node)]:
+                    raise AssertionError(
+                        f"{node!r}: lock_ref {node.lock_ref}, but {expected[id(node)]} running requests hold it"
+                    )
+                pages += len(node.pages)
+                locked_pages += len(node.pages) if node.lock_ref else 0
+        missing = set(expected) - seen_nodes
+        if missing:
+            raise AssertionError(f"{len(missing)} nodes locked by running requests are not in the tree")
+        if (pages, locked_pages) != (self.num_pages, self.num_locked_pages):
+            raise AssertionError(
+                f"tree holds {pages} pages ({locked_pages} locked), counters say "
+                f"{self.num_pages} ({self.num_locked_pages} locked)"
+            )
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _page_key(self, tokens: list[int], pos: int) -> tuple[int, ...]:
+        return tuple(tokens[pos : pos + self.page_size])
+
+    def _check_aligned(self, tokens: list[int]) -> None:
+        if len(tokens) % self.page_size:
+            raise ValueError(f"prefix-cache keys are page-aligned; got {len(tokens)} tokens (page {self.page_size})")
+
+    def _common_pages(self, key: list[int], tokens: list[int], pos: int) -> int:
+        """Whole pages `key` shares with `tokens[pos:]` (the first page is known to match)."""
+        size = self.page_size
+        limit = min(len(key), len(tokens) - pos) // size
+        n = 1
+        while n < limit and key[n * size : (n + 1) * size] == tokens[pos + n * size : pos + (n + 1) * size]:
+            n += 1
+        return n
+
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
+        """Cuts `node`'s edge after `num_pages` pages; returns the new upper node."""
+        parent = node.parent
+        assert parent is not None
+        cut = num_pages * self.page_size
+        upper = RadixNode(node.key[:cut], node.pages[:num_pages], parent, node.last_access)
+        # Both halves lie on every path that ran through `node`, so they carry its lock count.
+        upper.lock_ref = node.lock_ref
+        parent.children[self._page_key(upper.key, 0)] = upper
+        node.key = node.key[cut:]
+        node.pages = node.pages[num_pages:]
+        node.parent = upper
+        upper.children[self._page_key(node.key, 0)] = node
+        return upper
+
+    def _drop_root(self, root: RadixNode) -> None:
+        # An empty namespace costs a dict entry; dropping it keeps one-off salts from accumulating.
+        for salt, r in list(self._roots.items()):
+            if r is root:
+                del self._roots[salt]
+
+    def _nodes(self) -> Iterator[RadixNode]:
+        for root in self._roots.values():
+            for node in self._subtree(root):
+                if not node.is_root:
+                    yield node
+
+    @staticmethod
+    def _subtree(root: RadixNode) -> Iterator[RadixNode]:
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

@@ -1,0 +1,204 @@
+"""The prefix cache inside the engine, on the paging-checking FakeRunner."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.fake_runner import make_engine, reference_output, run_to_completion
+from tokenmill.engine.request import IllegalTransition, RequestStatus
+from tokenmill.errors import InvalidRequest
+from tokenmill.sample.sampling_params import SamplingParams
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def spy_on_schedule(engine) -> list[list[tuple[str, int, int]]]:
+    """Per step: (request id, tokens already computed, tokens computed now) of every chunk."""
+    log: list[list[tuple[str, int, int]]] = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        log.append([(c.request.request_id, c.request.num_computed_tokens, c.num_tokens) for c in out.chunks])
+        return out
+
+    engine.scheduler.schedule = spy
+    return log
+
+
+def run(engine, rid: str, prompt: list[int], max_tokens: int = 4, **kw) -> tuple[list[int], int]:
+    """Runs one request alone; returns its output and the num_cached_tokens its outputs reported."""
+    engine.add_request(rid, prompt, greedy(max_tokens), **kw)
+    tokens, cached = [], set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            cached.add(out.num_cached_tokens)
+        engine.check_integrity()
+    assert len(cached) == 1
+    assert tokens == reference_output(prompt, max_tokens)
+    return tokens, cached.pop()
+
+
+PROMPT = [(i * 7) % 45 + 1 for i in range(40)]  # 40 tokens: pages 0-1 full, page 2 partial
+
+
+@pytest.mark.parametrize(
+    "second,cached",
+    [
+        (PROMPT, 32),  # a full hit still recomputes the last token: 39 rounded down to a page
+        (PROMPT[:35] + [3, 3, 3], 32),  # shares 35 tokens: two whole pages
+        (PROMPT[:32], 16),  # exactly two pages: the second is recomputed for its last token
+        (PROMPT[:20] + [5] * 30, 16),
+        (PROMPT[:15] + [5] * 30, 0),  # less than a page in common
+        ([9] + PROMPT[1:], 0),
+    ],
+)
+def test_cached_tokens_equal_the_shared_page_aligned_prefix(second, cached):
+    engine, runner = make_engine(page_size=16)
+    run(engine, "a", PROMPT)
+    log = spy_on_schedule(engine)
+    _, reported = run(engine, "b", second)
+    assert reported == cached
+    assert log[0] == [("b", cached, len(second) - cached)]  # it computes only the rest
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_tokens_total"] == cached
+    assert stats["prefix_cache_queries_tokens_total"] == len(PROMPT) + len(second)
+    assert stats["prefix_cache_hit_rate"] == pytest.approx(cached / (len(PROMPT) + len(second)))
+
+
+def test_output_tokens_are_cached_too():
+    engine, _ = make_engine(page_size=8)
+    prompt = PROMPT[:10]
+    out, _ = run(engine, "a", prompt, max_tokens=20)
+    # The next turn of a conversation: prompt + reply + more. 29 tokens have K/V (the last output's
+    # never does), so 24 are cached in whole pages.
+    _, cached = run(engine, "b", prompt + out + [1, 2, 3])
+    assert cached == 24
+
+
+def test_a_request_admitted_while_another_decodes_shares_its_prompt():
+    engine, _ = make_engine(page_size=16)
+    log = spy_on_schedule(engine)
+    engine.add_request("a", PROMPT, greedy(30))
+    engine.step()  # a's prefill: its two full pages go to the tree now, not at its end
+    engine.add_request("b", PROMPT[:36], greedy(5))
+    first = {o.request_id: o.new_token_ids for o in engine.step()}
+    assert log[1] == [("a", 40, 1), ("b", 32, 4)]
+    a, b = engine.scheduler.running
+    assert a.pages[:2] == b.pages[:2] and b.num_tree_pages == 2
+    assert engine.stats()["kv_pages_cached"] == 2
+    outputs = run_to_completion(engine)
+    assert first["b"] + outputs["b"] == reference_output(PROMPT[:36], 5)
+    assert engine.stats()["kv_pages_in_use"] == 0
+
+
+def test_the_same_prompt_computed_twice_at_once_is_stored_once():
+    engine, _ = make_engine(page_size=16)
+    engine.add_request("a", PROMPT, greedy(20))
+    engine.add_request("b", PROMPT, greedy(20))
+    first = {o.request_id: o.new_token_ids for o in engine.step()}
+    # Both computed the prompt in the same step; b switched to a's two full pages and freed its own.
+    a, b = engine.scheduler.running
+    assert a.pages[:2] == b.pages[:2]
+    assert engine.stats()["kv_pages_cached"] + engine.stats()["kv_pages_in_use"] == 4
+    outputs = run_to_completion(engine)
+    assert first["a"] + outputs["a"] == first["b"] + outputs["b"] == reference_output(PROMPT, 20)
+
+
+def test_cache_salts_never_share():
+    engine, _ = make_engine(page_size=16)
+    run(engine, "a", PROMPT, cache_salt="tenant-1")
+    assert run(engine, "b", PROMPT, cache_salt="tenant-2")[1] == 0
+    assert run(engine, "c", PROMPT)[1] == 0
+    assert run(engine, "d", PROMPT, cache_salt="tenant-1")[1] == 32
+    assert run(engine, "e", PROMPT)[1] == 32
+    with pytest.raises(InvalidRequest):
+        engine.add_request("f", PROMPT, greedy(1), cache_salt=3)
+
+
+def test_prefix_caching_can_be_turned_off():
+    engine, _ = make_engine(page_size=16, enable_prefix_caching=False)
+    run(engine, "a", PROMPT)
+    assert run(engine, "b", PROMPT)[1] == 0
+    stats = engine.stats()
+    assert stats["kv_pages_cached"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert stats["prefix_cache_queries_tokens_total"] == 0 and stats["prefix_cache_hit_rate"] == 0.0
+
+
+def test_an_aborted_request_leaves_its_computed_pages_cached():
+    engine, _ = make_engine(page_size=8)
+    prompt = PROMPT[:10]
+    engine.add_request("a", prompt, greedy(30))
+    produced: list[int] = []
+    while len(produced) < 20:
+        produced += engine.step()[0].new_token_ids
+    assert engine.abort_request("a")
+    # 29 tokens have K/V: 3 whole pages (including output tokens) are now the tree's.
+    assert engine.stats()["kv_pages_cached"] == 3 and engine.stats()["kv_pages_in_use"] == 0
+    _, cached = run(engine, "retry", prompt + produced[:-1])
+    assert cached == 24
+
+
+def test_preempted_requests_cache_their_pages_and_recompute_only_what_was_evicted():
+    # 11 pages of 4 tokens. a and b fill the pool; b (newest) is preempted, its full pages go to the
+    # tree, and a's later pages come out of b's tail one eviction at a time.
+    engine, _ = make_engine(kv_cache_tokens=44, page_size=4, max_num_seqs=2)
+    log = spy_on_schedule(engine)
+    a, b = [1 + i % 40 for i in range(12)], [2 + i % 40 for i in range(16)]
+    engine.add_request("a", a, greedy(20))
+    engine.add_request("b", b, greedy(12))
+    outputs = run_to_completion(engine)
+    assert outputs == {"a": reference_output(a, 20), "b": reference_output(b, 12)}
+    stats = engine.stats()
+    assert stats["num_preemptions"] >= 1 and stats["kv_pages_evicted"] >= 1
+    # b's first chunk after preemption starts from what the tree still had of it, not from zero.
+    recompute = next(start for step in log[1:] for rid, start, n in step if rid == "b" and n > 1)
+    assert 0 < recompute < len(b) + 12 - 1
+
+
+def test_cached_pages_are_evicted_before_any_request_is_preempted():
+    engine, _ = make_engine(kv_cache_tokens=64, page_size=4, max_num_seqs=1)
+    for i in range(6):  # each leaves 3-4 pages cached: the pool is soon all cache
+        run(engine, str(i), [i + 1] * 14, max_tokens=3)
+    stats = engine.stats()
+    assert stats["kv_pages_evicted"] > 0 and stats["num_preemptions"] == 0
+    assert stats["kv_pages_cached"] + stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert engine.reset_prefix_cache() and engine.stats()["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_release_twice_and_illegal_moves_raise():
+    engine, _ = make_engine(page_size=4)
+    engine.add_request("a", PROMPT, greedy(5))
+    engine.step()
+    request = engine.requests["a"]
+    sched = engine.scheduler
+    sched.finish(request, RequestStatus.FINISHED_ABORTED)
+    with pytest.raises(IllegalTransition):
+        sched.finish(request, RequestStatus.FINISHED_ABORTED)  # a second release
+    with pytest.raises(IllegalTransition):
+        request.move_to(RequestStatus.RUNNING)
+    engine.requests.pop("a")
+    assert not engine.abort_request("a")  # the public abort of an ended request stays harmless
+    engine.check_integrity()
+
+
+def test_the_integrity_check_catches_broken_accounting():
+    engine, _ = make_engine(page_size=4)
+    engine.add_request("a", PROMPT, greedy(5))
+    engine.add_request("b", PROMPT, greedy(5))
+    engine.step()
+    engine.check_integrity()
+    request = engine.scheduler.running[1]
+    request.tree_node.lock_ref += 1  # a lock nobody holds
+    with pytest.raises(AssertionError, match="lock_ref"):
+        engine.check_integrity()
+    request.tree_node.lock_ref -= 1
+    page = request.pages[-1]
+    request.pages.append(page)  # a page counted twice
+    with pytest.raises(AssertionError):
+        engine.check_integrity()
+    request.pages.pop()
+    engine.check_integrity()
