@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test run lint bench clean
+.PHONY: setup test run serve lint bench clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,10 @@ test: setup
 
 run: setup
 	$(VENV)/bin/tokenmill chat
+
+# The OpenAI-compatible server on 127.0.0.1:8000 (override: make serve ARGS="--port 9000 --api-key k").
+serve: setup
+	$(VENV)/bin/tokenmill --log-level INFO serve $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -102,3 +102,15 @@ def test_check_token_ids_rejects_out_of_vocab(param: str, kw: dict) -> None:
         params.check_token_ids(100)
     assert info.value.param == param
     params.check_token_ids(102)
+
+
+def test_seed_must_fit_in_64_bits():
+    import pytest
+
+    from tokenmill.errors import InvalidRequest
+    from tokenmill.sample.sampling_params import SamplingParams
+
+    SamplingParams(seed=2**64 - 1)
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(seed=2**64)
+    assert e.value.param == "seed"

@@ -1,9 +1,10 @@
-"""`tokenmill generate | chat | bench` — the command line over the offline engine."""
+"""`tokenmill serve | generate | chat | bench` — the command line over the engine."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from tokenmill.config import EngineConfig
@@ -106,10 +107,41 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.openai.api_server import ServerConfig, run_server
+    from tokenmill.model.default_model import default_model_path
+
+    model = os.path.abspath(os.path.expanduser(args.model)) if args.model else None
+    # Validate the engine settings and find the model here, so mistakes fail before anything starts.
+    engine = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))
+    model_path = model or default_model_path()
+    if not os.path.exists(model_path):
+        print(f"error: no model at {model_path}", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        engine=engine, model_path=model_path, host=args.host, port=args.port, api_key=args.api_key,
+        served_model_name=args.served_model_name, log_level=args.log_level,
+    )
+    try:
+        return run_server(config)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, metrics, health)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $TOKENMILL_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the file's name)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="complete one prompt and print the text")
     p.add_argument("prompt")
@@ -129,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.entrypoints.bench_throughput import add_throughput_parser
 
     add_throughput_parser(bench, add_engine_args)
+    from tokenmill.entrypoints.bench_serve import add_serve_parser
+
+    add_serve_parser(bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -95,6 +95,9 @@ class SamplingParams:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {bias!r} for token {token_id}")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
+        # torch.Generator.manual_seed takes a 64-bit value; outside it, it fails with a bare overflow.
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad("seed", f"must fit in 64 bits, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

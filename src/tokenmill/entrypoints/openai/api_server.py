@@ -1,0 +1,172 @@
+"""`tokenmill serve`: the FastAPI app, its lifespan (children, handshake, shutdown) and uvicorn.
+
+    client --HTTP/SSE--> main process (this app + TokenizerManager)
+                           | AddRequest / AbortRequest (zmq PUSH)
+                           v
+                         scheduler process (EngineCore) --TokenBatch--> detokenizer process
+                           ^                 FinishRequest (stop string) --'      | TextBatch
+                           '----------- SchedulerReady / Stats / RequestFailed -> main <-'
+
+The server listens at once (so /health can say 503 while the model loads); the children start in
+the lifespan, and requests are served once the handshake and a real one-token request went through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+import zmq.asyncio
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.config import EngineConfig
+from tokenmill.entrypoints.openai.errors import error_response, install_handlers
+from tokenmill.entrypoints.openai.metrics import ServerMetrics
+from tokenmill.entrypoints.openai.processes import ChildProcesses
+from tokenmill.entrypoints.openai.serving_chat import ChatServing
+from tokenmill.entrypoints.openai.serving_common import now_s
+from tokenmill.entrypoints.openai.serving_completion import CompletionServing
+from tokenmill.frontend.tokenizer_manager import RequestError, ServerStatus, TokenizerManager
+from tokenmill.ipc.channels import IpcPaths
+
+logger = logging.getLogger(__name__)
+
+# Streams still open at shutdown get this long to finish before uvicorn cuts them.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    model_path: str = ""  # resolved path of the model (the tokenizer is loaded from it)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "WARNING"
+
+
+class _Server:
+    """What the routes need; filled in by the lifespan."""
+
+    manager: TokenizerManager
+    metrics: ServerMetrics
+    chat: ChatServing
+    completion: CompletionServing
+
+
+def build_app(config: ServerConfig, on_fatal: Callable[[], None] = lambda: None) -> FastAPI:
+    server = _Server()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        paths = IpcPaths.create()
+        ctx = zmq.asyncio.Context()
+        server.metrics = ServerMetrics(lambda: server.manager.stats)
+        server.manager = TokenizerManager(ctx, paths, config.model_path, server.metrics)
+        server.chat = ChatServing(server.manager)
+        server.completion = CompletionServing(server.manager)
+        children = ChildProcesses(paths, config.engine, config.served_model_name, config.log_level)
+        children.start()
+        watch = asyncio.create_task(children.watch(server.manager.on_process_exit))
+        startup = asyncio.create_task(_startup(server.manager, config, on_fatal))
+        try:
+            yield
+        finally:
+            startup.cancel()
+            watch.cancel()
+            await asyncio.gather(startup, watch, return_exceptions=True)
+            await server.manager.shutdown()
+            await asyncio.to_thread(children.terminate)
+            ctx.destroy(linger=0)
+            paths.remove()
+            logger.info("shut down: all child processes have exited")
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), config.api_key):
+            raise RequestError("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
+                               code="invalid_api_key")
+
+    auth = [Depends(check_api_key)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        manager = server.manager
+        if await manager.health():
+            return Response(status_code=200)
+        reason = {
+            ServerStatus.STARTING: "the server is starting",
+            ServerStatus.UNHEALTHY: f"the server is unhealthy: {manager.unhealthy_reason}",
+            ServerStatus.UP: "a one-token request did not come back in time",
+        }[manager.status]
+        return error_response(reason, 503)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> JSONResponse:
+        server.manager.check_ready()
+        limits = server.manager.limits
+        assert limits is not None
+        card = {"id": limits.model_name, "object": "model", "created": now_s(), "owned_by": "tokenmill",
+                "root": config.model_path, "max_model_len": limits.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(raw: Request) -> Response:
+        return await server.chat.create(raw)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(raw: Request) -> Response:
+        return await server.completion.create(raw)
+
+    return app
+
+
+async def _startup(manager: TokenizerManager, config: ServerConfig, on_fatal: Callable[[], None]) -> None:
+    if await manager.start():
+        assert manager.limits is not None
+        print(f"tokenmill: serving {manager.limits.model_name} on http://{config.host}:{config.port}",
+              file=sys.stderr, flush=True)
+        return
+    logger.error("start-up failed (%s); shutting down", manager.unhealthy_reason)
+    on_fatal()
+
+
+def run_server(config: ServerConfig) -> int:
+    """Serves until SIGINT/SIGTERM; returns the exit code (1 if start-up failed)."""
+    exit_code = 0
+    uv_server: uvicorn.Server | None = None
+
+    def on_fatal() -> None:
+        nonlocal exit_code
+        exit_code = 1
+        if uv_server is not None:
+            uv_server.should_exit = True
+
+    app = build_app(config, on_fatal)
+    uv_config = uvicorn.Config(
+        app, host=config.host, port=config.port, loop="asyncio", log_level=config.log_level.lower(),
+        access_log=config.log_level.upper() in ("DEBUG", "INFO"), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    uv_server = uvicorn.Server(uv_config)
+    uv_server.run()
+    if not uv_server.started and exit_code == 0:
+        exit_code = 1  # e.g. the port is taken: uvicorn logged why
+    return exit_code

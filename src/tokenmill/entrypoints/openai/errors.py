@@ -1,0 +1,99 @@
+"""Every failure a client can see, as an OpenAI error body: {"error": {message, type, param, code}}.
+
+Bad input is a 400 naming the field (404 for an unknown model); nothing a client sends may produce a
+500. A 500 here means a bug in the server, and is logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.errors import InvalidRequest
+from tokenmill.frontend.tokenizer_manager import RequestError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}}
+
+
+def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code), status_code=status)
+
+
+def as_request_error(exc: BaseException) -> RequestError:
+    """The client-facing form of an exception raised while serving a request."""
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, InvalidRequest):
+        return RequestError(exc.message, 400, exc.param)
+    if isinstance(exc, pydantic.ValidationError):
+        message, param = validation_message(exc.errors())
+        return RequestError(message, 400, param)
+    logger.error("internal error while serving a request", exc_info=exc)
+    return RequestError(f"internal server error: {type(exc).__name__}", 500)
+
+
+def validation_message(errors: list) -> tuple[str, str | None]:
+    """One readable line for pydantic's first error, and the top-level field it concerns."""
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    # Union members appear in loc as type names ("str", "list[int]"): keep only real field names.
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",) and not _is_type_tag(p)]
+    if not loc:
+        return f"request body: {first.get('msg')}", None
+    field = ".".join(loc)
+    return f"{field}: {first.get('msg')} (got {_short(first.get('input'))})", loc[0]
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(exc.message, exc.status, exc.param, exc.code)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
+        return error_response(exc.message, 400, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        err = as_request_error(exc)
+        return error_response(err.message, err.status, err.param, err.code)

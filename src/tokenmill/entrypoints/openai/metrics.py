@@ -1,0 +1,83 @@
+"""GET /metrics: Prometheus metrics, vLLM-style names under the `tokenmill:` prefix.
+
+Engine state (running, waiting, KV use, token totals) is the scheduler's own count, reported in its
+SchedulerStats; latencies are measured here, where the client's clock is: TTFT, inter-token latency
+and end-to-end from the moment the HTTP request arrived; queue time is the scheduler's duration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tokenmill.ipc.messages import SchedulerStats
+
+# Latencies from a few ms (a decode step of a small model) to minutes (a long queue on a CPU).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+prometheus_client.disable_created_metrics()  # the `_created` series double every metric for no use here
+
+
+class ServerMetrics:
+    """One registry per server (not the global one), so several apps can live in one process."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between output tokens",
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Request latency, arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue = Histogram("tokenmill:request_queue_time_seconds", "Time in the scheduler's waiting queue",
+                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("tokenmill:request_success", "Finished sequences by finish reason",
+                                ["finished_reason"], registry=self.registry)
+        self.registry.register(_EngineCollector(stats))
+
+    # MetricsSink (frontend/tokenizer_manager.py)
+    def observe_queue_time(self, seconds: float) -> None:
+        self.queue.observe(max(0.0, seconds))
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float, count: int) -> None:
+        for _ in range(count):
+            self.itl.observe(seconds)
+
+    def observe_finished(self, e2e_seconds: float, finish_reason: str | None) -> None:
+        self.e2e.observe(e2e_seconds)
+        self.finished.labels(finished_reason=finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], SchedulerStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        if s is None:
+            return
+        yield GaugeMetricFamily("tokenmill:num_requests_running", "Requests in the running batch",
+                                value=s.num_requests_running)
+        yield GaugeMetricFamily("tokenmill:num_requests_waiting", "Requests waiting to be scheduled",
+                                value=s.num_requests_waiting)
+        usage = s.kv_pages_in_use / s.kv_pages_total if s.kv_pages_total else 0.0
+        yield GaugeMetricFamily("tokenmill:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full)",
+                                value=usage)
+        yield CounterMetricFamily("tokenmill:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  value=s.prefix_cache_hit_tokens_total)
+        yield CounterMetricFamily("tokenmill:prompt_tokens", "Prompt tokens admitted", value=s.prompt_tokens_total)
+        yield CounterMetricFamily("tokenmill:generation_tokens", "Tokens generated",
+                                  value=s.generation_tokens_total)
+        yield CounterMetricFamily("tokenmill:num_preemptions", "Requests preempted", value=s.num_preemptions)

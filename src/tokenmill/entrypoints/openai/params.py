@@ -1,0 +1,106 @@
+"""OpenAI request fields -> SamplingParams: defaults, renames and the checks only the API has.
+
+Every range check stays in SamplingParams (one place, raising InvalidRequest with the field's name);
+this module only decides what each OpenAI field means.
+"""
+
+from __future__ import annotations
+
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tokenmill.errors import InvalidRequest
+from tokenmill.sample.sampling_params import OutputKind, SamplingParams
+
+# n samples become n engine requests; more than this is a typo or an attack, not a use case.
+MAX_N = 128
+# Engine requests one HTTP request may create (prompts x n): lm-eval batches stay far below.
+MAX_CHOICES = 4096
+
+
+def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+    # max_completion_tokens is the newer name; it wins when both are given, as in OpenAI's API.
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise InvalidRequest(
+            f"response_format {req.response_format.get('type')!r} is not supported yet (no grammar-constrained "
+            "decoding); only 'text'", param="response_format",
+        )
+    if req.prompt_logprobs is not None:
+        raise InvalidRequest("prompt_logprobs is supported on /v1/completions only", param="prompt_logprobs")
+    if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequest(
+            "tool_choice may only be 'none' or 'auto': tools are shown to the model through its chat template, "
+            "but tool calls are not parsed or forced", param="tool_choice",
+        )
+    return _common(req, max_tokens, logprobs)
+
+
+def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
+    if req.suffix:
+        raise InvalidRequest("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise InvalidRequest("best_of is not supported (only best_of == n)", param="best_of")
+    max_tokens = req.max_tokens
+    if req.echo and max_tokens == 0:
+        # Scoring the prompt only (lm-eval's loglikelihood): the engine always samples at least one
+        # token; the serving layer drops it (echo_only).
+        max_tokens = 1
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        # Echo with logprobs scores the prompt's tokens too, with the same top-N.
+        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+    return _common(req, max_tokens, req.logprobs, prompt_logprobs)
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    return bool(req.echo) and req.max_tokens == 0
+
+
+def _common(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
+    n = 1 if req.n is None else req.n
+    if n > MAX_N:
+        raise InvalidRequest(f"n must be at most {MAX_N}, got {n}", param="n")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
+    return SamplingParams(
+        n=n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens or 0,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=-1 if req.top_k is None else req.top_k,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(req.logit_bias),
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=req.skip_special_tokens is not False,
+        spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        output_kind=OutputKind.DELTA,
+    )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= token_id < 2**63:
+            raise InvalidRequest(f"logit_bias key {key} is not a token id", param="logit_bias")
+        out[token_id] = value
+    return out

@@ -1,0 +1,70 @@
+"""Start, watch and stop the server's child processes (scheduler, detokenizer).
+
+Children are plain `python -m` subprocesses, not multiprocessing: their command line says what they
+are, their arguments are JSON (nothing pickled), and no resource-tracker process tags along.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+from tokenmill.config import EngineConfig
+from tokenmill.ipc.channels import IpcPaths
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.2
+TERMINATE_TIMEOUT_S = 10.0
+
+
+class ChildProcesses:
+    def __init__(self, paths: IpcPaths, config: EngineConfig, served_model_name: str | None, log_level: str) -> None:
+        self.paths = paths
+        self.config = config
+        self.served_model_name = served_model_name
+        self.log_level = log_level
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._reported: set[str] = set()
+
+    def start(self) -> None:
+        common = ["--ipc-dir", self.paths.directory, "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
+        scheduler = [sys.executable, "-m", "tokenmill.engine.scheduler_process", *common,
+                     "--config", json.dumps(dataclasses.asdict(self.config))]
+        if self.served_model_name:
+            scheduler += ["--served-model-name", self.served_model_name]
+        detokenizer = [sys.executable, "-m", "tokenmill.frontend.detokenizer_process", *common]
+        if self.config.model:
+            detokenizer += ["--model", self.config.model]
+        for name, cmd in (("scheduler", scheduler), ("detokenizer", detokenizer)):
+            self.procs[name] = subprocess.Popen(cmd)
+            logger.info("started the %s process (pid %d)", name, self.procs[name].pid)
+
+    async def watch(self, on_exit: Callable[[str, int], None]) -> None:
+        """Calls on_exit(name, returncode) once for each child that exits."""
+        while True:
+            for name, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None and name not in self._reported:
+                    self._reported.add(name)
+                    on_exit(name, code)
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    def terminate(self) -> None:
+        """SIGTERM every child, wait, SIGKILL what is left: nothing survives the server."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(TERMINATE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("the %s process (pid %d) ignored SIGTERM; killing it", name, proc.pid)
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,150 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> tokens -> choices.
+
+The prompt is rendered by the same Tokenizer.apply_chat_template as the offline `LLM.chat` (sandboxed
+jinja2, tools and chat_template_kwargs passed to the template), so both give the same prompt ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.entrypoints.openai.errors import as_request_error
+from tokenmill.entrypoints.openai.params import chat_sampling_params
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
+from tokenmill.entrypoints.openai.serving_common import (
+    DONE,
+    SSE_HEADERS,
+    Choice,
+    ClientDisconnected,
+    TokenTexts,
+    chat_logprobs,
+    check_model,
+    disconnected_response,
+    new_id,
+    now_s,
+    parse_body,
+    sse,
+    sse_error,
+    unless_disconnected,
+    usage,
+)
+from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
+from tokenmill.ipc.messages import TextOutput
+
+
+class ChatServing:
+    def __init__(self, manager: TokenizerManager) -> None:
+        self.manager = manager
+        self._texts: TokenTexts | None = None
+
+    @property
+    def texts(self) -> TokenTexts:
+        if self._texts is None:
+            assert self.manager.tokenizer is not None
+            self._texts = TokenTexts(self.manager.tokenizer)
+        return self._texts
+
+    async def create(self, raw: Request) -> Response:
+        arrival = time.monotonic()
+        req = await parse_body(raw, ChatCompletionRequest)
+        self.manager.check_ready()
+        assert self.manager.limits is not None and self.manager.tokenizer is not None
+        model = self.manager.limits.model_name
+        check_model(req.model, model)
+        params = chat_sampling_params(req)
+        # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
+        prompt_ids = await asyncio.to_thread(
+            self.manager.tokenizer.apply_chat_template,
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt is not False,
+            tools=req.tools,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+        seqs = [Seq(prompt_ids, child_params(params, k)) for k in range(params.n)]
+        self.manager.validate(seqs, "messages")
+        request_id = new_id("chatcmpl")
+        outputs = self.manager.generate(request_id, seqs, arrival=arrival, prompt_param="messages",
+                                        cache_salt=req.cache_salt)
+        want_logprobs = params.logprobs is not None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            stream = self._stream(outputs, request_id, model, params.n, len(prompt_ids), want_logprobs, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            body = await unless_disconnected(
+                raw, self._collect(outputs, request_id, model, params.n, len(prompt_ids), want_logprobs)
+            )
+        except ClientDisconnected:
+            return disconnected_response()
+        return JSONResponse(body)
+
+    async def _collect(
+        self, outputs: AsyncIterator[tuple[int, TextOutput]], request_id: str, model: str, n: int,
+        prompt_tokens: int, want_logprobs: bool,
+    ) -> dict:
+        choices = [Choice() for _ in range(n)]
+        async for i, out in outputs:
+            choices[i].add(out)
+        if any(c.finish_reason == "abort" for c in choices):
+            raise RequestError("the server aborted the request before it finished", 503)
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": now_s(),
+            "model": model,
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": chat_logprobs(c.logprobs, self.texts) if want_logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for i, c in enumerate(choices)
+            ],
+            "usage": usage(prompt_tokens, choices, n),
+        }
+
+    async def _stream(
+        self, outputs: AsyncIterator[tuple[int, TextOutput]], request_id: str, model: str, n: int,
+        prompt_tokens: int, want_logprobs: bool, include_usage: bool,
+    ) -> AsyncIterator[str]:
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": model}
+
+        def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None,
+                  stop_reason: int | str | None = None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop_reason
+            payload = {**base, "choices": [choice]}
+            if include_usage:
+                payload["usage"] = None
+            return sse(payload)
+
+        choices = [Choice() for _ in range(n)]
+        try:
+            for i in range(n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, out in outputs:
+                choices[i].add(out, keep_text=False)
+                if not (out.text or out.logprobs or out.finished):
+                    continue  # text held back (half a character, a possible stop string)
+                logprobs = chat_logprobs(out.logprobs, self.texts) if want_logprobs and out.logprobs else None
+                delta = {"content": out.text} if out.text else {}
+                yield chunk(i, delta, logprobs, out.finish_reason if out.finished else None, out.stop_reason)
+        except Exception as exc:  # includes RequestError: the stream ends as an error, never hangs
+            error = as_request_error(exc)
+            for i, c in enumerate(choices):
+                if c.finish_reason is None:
+                    yield chunk(i, {}, finish="abort")
+            yield sse_error(error)
+            yield DONE
+            return
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(prompt_tokens, choices, n)})
+        yield DONE

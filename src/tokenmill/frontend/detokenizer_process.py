@@ -1,0 +1,153 @@
+"""The detokenizer process: token ids in, text out, stop strings found, for `tokenmill serve`.
+
+One RequestOutputState per request (the same class the offline API uses), in DELTA mode. When a stop
+string matches, the request's text ends here at once and a FinishRequest goes back to the scheduler,
+which frees the KV within a step or two (tokens it produced meanwhile are dropped by the state).
+
+Run as `python -m tokenmill.frontend.detokenizer_process --ipc-dir D [--model PATH]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import zmq
+
+from tokenmill.frontend.output_state import RequestOutputState
+from tokenmill.frontend.tokenizer import Tokenizer
+from tokenmill.ipc.channels import DETOKENIZER, MAIN, SCHEDULER, IpcPaths, Receiver, Sender
+from tokenmill.ipc.lifecycle import child_process_setup, parent_alive
+from tokenmill.ipc.messages import (
+    AbortRequest,
+    DetokenizeRequest,
+    DetokenizerReady,
+    FinishRequest,
+    Logprob,
+    ProcessFailed,
+    TextBatch,
+    TextOutput,
+    ToDetokenizer,
+    TokenOutput,
+    ToScheduler,
+)
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 1000
+
+
+class _Seq:
+    __slots__ = ("state", "logprobs", "sent_logprobs")
+
+    def __init__(self, state: RequestOutputState) -> None:
+        self.state = state
+        self.logprobs: list[Logprob] = []  # received, not yet sent
+        self.sent_logprobs = 0
+
+
+class Detokenizer:
+    """Pure message handling (no sockets), so tests can drive it directly."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.seqs: dict[str, _Seq] = {}
+
+    def handle(self, message: ToDetokenizer) -> tuple[list[TextOutput], list[ToScheduler]]:
+        """Text for the API server, and stop / abort orders for the scheduler."""
+        if isinstance(message, DetokenizeRequest):
+            state = RequestOutputState(message.request_id, self.tokenizer, message.prompt_token_ids, message.params)
+            self.seqs[message.request_id] = _Seq(state)
+            return [], []
+        texts: list[TextOutput] = []
+        orders: list[ToScheduler] = []
+        for out in message.outputs:
+            try:
+                self._apply(out, texts, orders)
+            except Exception:  # a bug in one request's text must end that request, not this process
+                logger.exception("detokenizing %s failed; aborting it", out.request_id)
+                seq = self.seqs.pop(out.request_id, None)
+                count = seq.state.num_output_tokens if seq is not None else 0
+                texts.append(TextOutput(out.request_id, "", [], True, "abort", None, count))
+                orders.append(AbortRequest(out.request_id))
+        return texts, orders
+
+    def _apply(self, out: TokenOutput, texts: list[TextOutput], orders: list[ToScheduler]) -> None:
+        seq = self.seqs.get(out.request_id)
+        if seq is None:
+            return  # its text already ended (stop string); these are the engine's last steps for it
+        if out.logprobs:
+            seq.logprobs.extend(out.logprobs)
+        delta = seq.state.update(out.new_token_ids, out.finish_reason if out.finished else None)
+        if delta is None:  # DELTA mode answers every update that brings tokens or a finish
+            return
+        logprobs = None
+        if seq.state.params.logprobs is not None:
+            # Only tokens the state kept (none past a stop string) keep their logprobs.
+            logprobs = seq.logprobs[: len(delta.token_ids)]
+            del seq.logprobs[: len(delta.token_ids)]
+        texts.append(TextOutput(
+            out.request_id, delta.text, delta.token_ids, delta.finished, delta.finish_reason,
+            delta.stop_reason, delta.num_output_tokens, logprobs, out.queue_time, out.num_cached_tokens,
+            out.prompt_logprobs,
+        ))
+        if delta.finished or out.finished:
+            del self.seqs[out.request_id]
+        if delta.stop_hit and not out.finished:
+            reason = delta.stop_reason if isinstance(delta.stop_reason, str) else None
+            orders.append(FinishRequest(out.request_id, reason))
+
+
+def run(tokenizer: Tokenizer, inbox: Receiver, to_main: Sender, to_scheduler: Sender) -> None:
+    detok = Detokenizer(tokenizer)
+    while True:
+        if not inbox.poll(IDLE_POLL_MS):
+            if not parent_alive():
+                logger.warning("the API server is gone; detokenizer exiting")
+                return
+            continue
+        texts: list[TextOutput] = []
+        for message in inbox.drain():
+            new_texts, orders = detok.handle(message)
+            texts.extend(new_texts)
+            for order in orders:
+                to_scheduler.send(order)
+        if texts:
+            to_main.send(TextBatch(texts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="tokenmill detokenizer process (started by `tokenmill serve`)")
+    parser.add_argument("--ipc-dir", required=True)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--parent-pid", type=int, default=None)
+    args = parser.parse_args(argv)
+    child_process_setup("detokenizer", args.log_level, args.parent_pid)
+    paths = IpcPaths(args.ipc_dir)
+    ctx = zmq.Context()
+    to_main = Sender(ctx, paths.address(MAIN))
+    try:
+        from tokenmill.model.default_model import default_model_path
+
+        tokenizer = Tokenizer.from_model_path(args.model or default_model_path())
+        inbox = Receiver(ctx, paths.address(DETOKENIZER), ToDetokenizer)
+        to_scheduler = Sender(ctx, paths.address(SCHEDULER))
+        to_main.send(DetokenizerReady())
+    except Exception as exc:
+        logger.exception("detokenizer start-up failed")
+        to_main.send(ProcessFailed("detokenizer", f"{type(exc).__name__}: {exc}"))
+        time.sleep(0.5)  # LINGER is 0: give the message a moment to leave
+        return 1
+    try:
+        run(tokenizer, inbox, to_main, to_scheduler)
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        ctx.destroy(linger=0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

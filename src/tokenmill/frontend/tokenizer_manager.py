@@ -1,0 +1,336 @@
+"""The API server's side of the control plane: validation against the scheduler's limits, the
+request-state table (keyed by request id), routing outputs back to the waiting HTTP handlers, the
+start-up handshake and the end-to-end health probe.
+
+It lives on the server's event loop and talks to the scheduler and detokenizer processes over zmq.
+It knows token ids, SamplingParams and text; HTTP and JSON are the entrypoint's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import msgspec
+import zmq.asyncio
+
+from tokenmill.errors import InvalidRequest
+from tokenmill.frontend.tokenizer import Tokenizer
+from tokenmill.ipc.channels import MAIN, SCHEDULER, AsyncReceiver, IpcPaths, Sender
+from tokenmill.ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    DetokenizerReady,
+    ProcessFailed,
+    RequestFailed,
+    SchedulerReady,
+    SchedulerStats,
+    TextBatch,
+    TextOutput,
+    ToMain,
+)
+from tokenmill.sample.sampling_params import OutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ServerStatus(enum.Enum):
+    STARTING = "starting"
+    UP = "up"
+    UNHEALTHY = "unhealthy"
+
+
+class RequestError(Exception):
+    """A request that cannot be served or was ended outside the normal stream; `status` is HTTP's."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+
+
+class MetricsSink(Protocol):
+    def observe_queue_time(self, seconds: float) -> None: ...
+    def observe_first_token(self, seconds: float) -> None: ...
+    def observe_inter_token(self, seconds: float, count: int) -> None: ...
+    def observe_finished(self, e2e_seconds: float, finish_reason: str | None) -> None: ...
+
+
+@dataclass(frozen=True)
+class Seq:
+    """One engine request: a prompt and its (n=1) params. n samples of a prompt are n Seqs."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class _SeqState:
+    __slots__ = ("queue", "index", "arrival", "last_time", "finished", "record")
+
+    def __init__(self, queue: asyncio.Queue, index: int, arrival: float, record: bool) -> None:
+        self.queue = queue
+        self.index = index
+        self.arrival = arrival
+        self.last_time: float | None = None
+        self.finished = False
+        self.record = record  # health probes stay out of the latency histograms
+
+
+def child_params(params: SamplingParams, k: int, all_prompt_logprobs: bool = False) -> SamplingParams:
+    """Sample k of n, as the offline API does it: seed + k, so samples differ yet stay reproducible;
+    prompt logprobs belong to the prompt, so only sample 0 computes them (unless every sample needs
+    its own copy, as a stream that echoes the prompt per choice does)."""
+    prompt_logprobs = params.prompt_logprobs if k == 0 or all_prompt_logprobs else None
+    return replace(params, n=1, seed=None if params.seed is None else params.seed + k, output_kind=OutputKind.DELTA,
+                   prompt_logprobs=prompt_logprobs)
+
+
+class TokenizerManager:
+    # The probe of /health: a real one-token request must come back through scheduler and
+    # detokenizer within this many seconds (SGLang's default).
+    HEALTH_TIMEOUT_S = 20.0
+
+    def __init__(self, ctx: zmq.asyncio.Context, paths: IpcPaths, model_path: str, metrics: MetricsSink) -> None:
+        self.model_path = model_path
+        self.metrics = metrics
+        self.status = ServerStatus.STARTING
+        self.unhealthy_reason: str | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.limits: SchedulerReady | None = None
+        self.stats: SchedulerStats | None = None
+        self.last_text_time = 0.0
+        self._inbox = AsyncReceiver(ctx, paths.address(MAIN), ToMain)
+        self._to_scheduler = Sender(ctx, paths.address(SCHEDULER))
+        self._states: dict[str, _SeqState] = {}
+        self._scheduler_ready = asyncio.Event()
+        self._detokenizer_ready = asyncio.Event()
+        self._startup_failed = asyncio.Event()
+        self._health: asyncio.Task[bool] | None = None
+        self._shutting_down = False
+        self._recv_task = asyncio.create_task(self._recv_loop())
+
+    # ---- start-up ----------------------------------------------------------------------------
+    async def start(self) -> bool:
+        """Load the tokenizer, wait for both children's handshake, then push one real request through."""
+        try:
+            self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, self.model_path)
+        except Exception as exc:
+            self.mark_unhealthy(f"cannot load the tokenizer: {exc}")
+            return False
+        ready = asyncio.gather(self._scheduler_ready.wait(), self._detokenizer_ready.wait())
+        failed = asyncio.ensure_future(self._startup_failed.wait())
+        await asyncio.wait({ready, failed}, return_when=asyncio.FIRST_COMPLETED)
+        failed.cancel()
+        if self.status is ServerStatus.UNHEALTHY:
+            ready.cancel()
+            return False
+        assert self.limits is not None
+        logger.info("scheduler ready: model %s, context %d tokens, vocabulary %d, KV %d tokens",
+                    self.limits.model_name, self.limits.max_model_len, self.limits.vocab_size,
+                    self.limits.kv_capacity_tokens)
+        if not await self._probe(timeout=None):
+            if self.status is not ServerStatus.UNHEALTHY:
+                self.mark_unhealthy("the start-up request did not come back")
+            return False
+        if self.status is ServerStatus.STARTING:
+            self.status = ServerStatus.UP
+            logger.info("ready: a one-token request went through scheduler and detokenizer")
+        return self.status is ServerStatus.UP
+
+    def mark_unhealthy(self, reason: str) -> None:
+        if self._shutting_down:
+            return
+        if self.status is not ServerStatus.UNHEALTHY:
+            logger.error("server unhealthy: %s", reason)
+        self.status = ServerStatus.UNHEALTHY
+        self.unhealthy_reason = reason
+        self._startup_failed.set()
+        for rid in list(self._states):
+            self._fail(rid, RequestError(f"request ended: {reason}", 503, code="server_unhealthy"))
+
+    def on_process_exit(self, name: str, returncode: int) -> None:
+        if not self._shutting_down:
+            self.mark_unhealthy(f"the {name} process exited with code {returncode}")
+
+    async def shutdown(self) -> None:
+        self._shutting_down = True
+        for rid in list(self._states):
+            self._fail(rid, RequestError("the server is shutting down", 503))
+        self._recv_task.cancel()
+        await asyncio.gather(self._recv_task, return_exceptions=True)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def check_ready(self) -> None:
+        if self.status is ServerStatus.STARTING:
+            raise RequestError("the server is starting; retry when /health returns 200", 503)
+        if self.status is ServerStatus.UNHEALTHY:
+            raise RequestError(f"the server is unhealthy: {self.unhealthy_reason}", 503, code="server_unhealthy")
+
+    def validate(self, seqs: Sequence[Seq], prompt_param: str, internal: bool = False) -> None:
+        """Every check that needs the engine's limits, before anything is queued (same numbers as
+        EngineCore.add_request, reported in the handshake). internal: the server's own probes, which
+        also run while starting."""
+        if not internal or self.status is ServerStatus.UNHEALTHY:
+            self.check_ready()
+        limits = self.limits
+        if limits is None:
+            raise RequestError("the scheduler has not reported its limits yet", 503)
+        for seq in seqs:
+            ids, params = seq.prompt_token_ids, seq.params
+            if not ids:
+                raise InvalidRequest("the prompt is empty", param=prompt_param)
+            bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"prompt token id {bad} is outside the vocabulary (size {limits.vocab_size})", prompt_param
+                )
+            params.check_token_ids(limits.vocab_size)
+            room = limits.max_model_len - len(ids)
+            if room < 1:
+                raise RequestError(
+                    f"this model's context length is {limits.max_model_len} tokens, but the prompt has "
+                    f"{len(ids)} tokens, which leaves no room for output",
+                    400, prompt_param, "context_length_exceeded",
+                )
+            max_tokens = params.max_tokens if params.max_tokens is not None else room
+            if max_tokens > room:
+                raise RequestError(
+                    f"this model's context length is {limits.max_model_len} tokens; the prompt ({len(ids)} "
+                    f"tokens) + max_tokens ({max_tokens}) exceeds it",
+                    400, "max_tokens", "context_length_exceeded",
+                )
+            if len(ids) + max_tokens > limits.kv_capacity_tokens:
+                raise InvalidRequest(
+                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
+                    f"({limits.kv_capacity_tokens} tokens)", param="max_tokens",
+                )
+
+    async def generate(
+        self,
+        request_id: str,
+        seqs: Sequence[Seq],
+        *,
+        arrival: float,
+        prompt_param: str = "prompt",
+        cache_salt: str | None = None,
+        internal: bool = False,
+    ) -> AsyncIterator[tuple[int, TextOutput]]:
+        """Queue the seqs as engine requests `{request_id}-{i}` and yield (i, output) as text arrives.
+
+        Leaving early (client disconnect, cancellation, an error) aborts every unfinished seq.
+        """
+        self.validate(seqs, prompt_param, internal)
+        queue: asyncio.Queue[tuple[int, TextOutput] | RequestError] = asyncio.Queue()
+        rids = [f"{request_id}-{i}" for i in range(len(seqs))]
+        if any(rid in self._states for rid in rids):
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        try:
+            for i, (rid, seq) in enumerate(zip(rids, seqs)):
+                self._states[rid] = _SeqState(queue, i, arrival, record=not internal)
+                try:
+                    self._to_scheduler.send(AddRequest(rid, seq.prompt_token_ids, seq.params, cache_salt))
+                except (OverflowError, msgspec.EncodeError) as exc:  # e.g. an integer beyond 64 bits
+                    raise InvalidRequest(f"a request parameter is out of range: {exc}") from exc
+            left = len(rids)
+            while left:
+                item = await queue.get()
+                if isinstance(item, RequestError):
+                    raise item
+                if item[1].finished:
+                    left -= 1
+                yield item
+        finally:
+            for rid in rids:
+                state = self._states.pop(rid, None)
+                if state is not None and not state.finished:
+                    self._to_scheduler.send(AbortRequest(rid))
+
+    # ---- health ------------------------------------------------------------------------------
+    async def health(self) -> bool:
+        if self.status is not ServerStatus.UP:
+            return False
+        if self._health is None or self._health.done():  # concurrent /health calls share one probe
+            self._health = asyncio.create_task(self._probe(self.HEALTH_TIMEOUT_S))
+        return await asyncio.shield(self._health)
+
+    async def _probe(self, timeout: float | None) -> bool:
+        """True once text comes back from the detokenizer after a real one-token request was sent
+        (any request's text proves the whole loop turns, so a busy server answers at once)."""
+        tic = time.monotonic()
+        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=OutputKind.DELTA)
+        token = self.tokenizer.bos_token_id if self.tokenizer and self.tokenizer.bos_token_id is not None else 0
+        stream = self.generate(f"health-{time.monotonic_ns()}", [Seq([token], params)], arrival=tic, internal=True)
+        probe = asyncio.ensure_future(anext(stream))
+        try:
+            while True:
+                done, _ = await asyncio.wait({probe}, timeout=0.05)
+                if done:
+                    return probe.exception() is None
+                if self.last_text_time > tic:
+                    return True
+                if self.status is ServerStatus.UNHEALTHY or (timeout is not None and time.monotonic() - tic > timeout):
+                    return False
+        finally:
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
+            await stream.aclose()
+
+    # ---- receiving ---------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                message = await self._inbox.recv()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a malformed message must not stop the loop that serves everyone
+                logger.exception("undecodable message on the API server's socket")
+                continue
+            try:
+                self._dispatch(message)
+            except Exception:
+                logger.exception("failed to handle %s", type(message).__name__)
+
+    def _dispatch(self, message: ToMain) -> None:
+        if isinstance(message, TextBatch):
+            self.last_text_time = now = time.monotonic()
+            for out in message.outputs:
+                state = self._states.get(out.request_id)
+                if state is not None:
+                    self._deliver(state, out, now)
+        elif isinstance(message, SchedulerStats):
+            self.stats = message
+        elif isinstance(message, RequestFailed):
+            self._fail(message.request_id, RequestError(message.message, message.status, message.param))
+        elif isinstance(message, SchedulerReady):
+            self.limits = message
+            self._scheduler_ready.set()
+        elif isinstance(message, DetokenizerReady):
+            self._detokenizer_ready.set()
+        elif isinstance(message, ProcessFailed):
+            self.mark_unhealthy(f"the {message.process} process failed: {message.error}")
+
+    def _deliver(self, state: _SeqState, out: TextOutput, now: float) -> None:
+        if state.record:
+            if out.queue_time is not None:
+                self.metrics.observe_queue_time(out.queue_time)
+            n = len(out.token_ids)
+            if n:
+                if state.last_time is None:
+                    self.metrics.observe_first_token(now - state.arrival)
+                else:
+                    self.metrics.observe_inter_token((now - state.last_time) / n, n)
+                state.last_time = now
+            if out.finished:
+                self.metrics.observe_finished(now - state.arrival, out.finish_reason)
+        if out.finished:
+            state.finished = True
+        state.queue.put_nowait((state.index, out))
+
+    def _fail(self, rid: str, error: RequestError) -> None:
+        state = self._states.get(rid)
+        if state is not None:
+            state.queue.put_nowait(error)

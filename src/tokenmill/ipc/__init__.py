@@ -1,0 +1,1 @@
+"""Typed messages and zmq channels between the server's processes (main, scheduler, detokenizer)."""

@@ -1,0 +1,108 @@
+"""zmq PUSH/PULL channels over ipc:// sockets in one temp directory, carrying msgspec structs.
+
+Each process binds the one PULL socket it reads and connects PUSH sockets to the others; zmq queues
+messages sent before the peer has bound (ipc reconnects), so start-up order does not matter.
+PUSH/PULL has no reply and no flow control: a send only means "queued". Liveness is the supervisor's
+business (process exit codes), never a blocking send, hence unlimited high-water marks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER, DETOKENIZER, MAIN = "scheduler", "detokenizer", "main"
+
+
+@dataclass(frozen=True)
+class IpcPaths:
+    directory: str
+
+    @classmethod
+    def create(cls) -> IpcPaths:
+        # Unix socket paths are limited to ~107 bytes: keep the directory short.
+        return cls(tempfile.mkdtemp(prefix="tokenmill-"))
+
+    def address(self, process: str) -> str:
+        return f"ipc://{os.path.join(self.directory, process)}"
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _configure(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)  # never keep a dying process alive to flush messages nobody reads
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: Any) -> bytes:
+    return _encoder.encode(message)
+
+
+class Receiver:
+    """A blocking PULL socket (child processes) decoding one union type."""
+
+    def __init__(self, ctx: zmq.Context, address: str, message_type: Any) -> None:
+        self.sock = ctx.socket(zmq.PULL)
+        _configure(self.sock)
+        self.sock.bind(address)
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.sock.poll(timeout_ms, zmq.POLLIN))
+
+    def drain(self) -> list[Any]:
+        """Everything queued now, without blocking. An undecodable message is logged and dropped:
+        the loop that serves every other request must keep turning."""
+        messages = []
+        while True:
+            try:
+                data = self.sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return messages
+            try:
+                messages.append(self._decoder.decode(data.buffer))
+            except msgspec.DecodeError:
+                logger.exception("dropping an undecodable message (%d bytes)", len(data.buffer))
+
+
+class Sender:
+    """A PUSH socket (blocking or asyncio context alike: sends never wait with unlimited HWM)."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.sock = ctx.socket(zmq.PUSH)
+        _configure(self.sock)
+        self.sock.connect(address)
+
+    def send(self, message: Any) -> None:
+        # zmq.asyncio sockets return a future from send(); with no HWM it is already done, so the
+        # same non-async call serves both the children's loops and the API server's event loop.
+        self.sock.send(encode(message), copy=False)
+
+
+class AsyncReceiver:
+    """The API server's PULL socket, read from its event loop."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, message_type: Any) -> None:
+        self.sock = ctx.socket(zmq.PULL)
+        _configure(self.sock)
+        self.sock.bind(address)
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+
+    async def recv(self) -> Any:
+        data = await self.sock.recv(copy=False)
+        return self._decoder.decode(data.buffer)

@@ -1,0 +1,146 @@
+"""Every message that crosses a process boundary, as msgspec structs (msgpack on the wire, never pickle).
+
+Three PULL sockets, one per receiving process; each decodes a tagged union of what may arrive there:
+
+    main -> scheduler      AddRequest, AbortRequest                 (ToScheduler)
+    detokenizer -> sched.  FinishRequest (a stop string matched)    (ToScheduler)
+    scheduler -> detok.    DetokenizeRequest, TokenBatch            (ToDetokenizer)
+    detokenizer -> main    TextBatch                                (ToMain)
+    scheduler -> main      SchedulerReady, RequestFailed, SchedulerStats, ProcessFailed  (ToMain)
+    detokenizer -> main    DetokenizerReady, ProcessFailed          (ToMain)
+
+A detokenizer learns about a request from the scheduler (DetokenizeRequest), on the same channel as its
+token outputs, so it can never see tokens of a request it does not know yet.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenmill.sample.sampling_params import SamplingParams
+
+
+class Logprob(msgspec.Struct, array_like=True):
+    """One generated token's log-probability (raw model distribution), rank and top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+# ---- main -> scheduler -----------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # a dataclass: msgspec rebuilds it and re-runs its validation
+    cache_salt: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    """The client went away (or the server ends the request): free its KV. Unknown ids are ignored."""
+
+    request_id: str
+
+
+# ---- detokenizer -> scheduler -----------------------------------------------------------------
+class FinishRequest(msgspec.Struct, tag=True):
+    """A stop string matched: stop generating and free the KV (the text side already ended it)."""
+
+    request_id: str
+    stop_reason: str | None
+
+
+# ---- scheduler -> detokenizer -----------------------------------------------------------------
+class DetokenizeRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class TokenOutput(msgspec.Struct, array_like=True):
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None
+    logprobs: list[Logprob] | None = None
+    queue_time: float | None = None  # seconds from admission to first scheduled; first output only
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # params.prompt_logprobs, first output only: entry i scores prompt token i (entry 0 is None)
+    prompt_logprobs: list[Logprob | None] | None = None
+
+
+class TokenBatch(msgspec.Struct, tag=True):
+    """What one engine step produced, for every request that produced something."""
+
+    outputs: list[TokenOutput]
+
+
+# ---- detokenizer -> main ----------------------------------------------------------------------
+class TextOutput(msgspec.Struct, array_like=True):
+    """New text and tokens of one request since its last TextOutput (output mode DELTA)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_output_tokens: int  # tokens counted so far: usage, never past a stop string
+    logprobs: list[Logprob] | None = None  # one per token in token_ids
+    queue_time: float | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprob | None] | None = None
+
+
+class TextBatch(msgspec.Struct, tag=True):
+    outputs: list[TextOutput]
+
+
+# ---- control messages to main -----------------------------------------------------------------
+class SchedulerReady(msgspec.Struct, tag=True):
+    """The start-up handshake: the limits the API server validates against before queueing."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int
+    supports_cache_salt: bool
+    supports_prompt_logprobs: bool  # the engine honours SamplingParams.prompt_logprobs
+
+
+class DetokenizerReady(msgspec.Struct, tag=True):
+    pass
+
+
+class ProcessFailed(msgspec.Struct, tag=True):
+    """A child could not start (or hit a fatal error); the server logs it and turns unhealthy."""
+
+    process: str
+    error: str
+
+
+class RequestFailed(msgspec.Struct, tag=True):
+    """The scheduler ended a request outside the output stream (rejected at admission, engine fault)."""
+
+    request_id: str
+    message: str
+    status: int = 400
+    param: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, tag=True):
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_pages_total: int
+    kv_pages_in_use: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_hit_tokens_total: int
+    num_preemptions: int
+
+
+ToScheduler = AddRequest | AbortRequest | FinishRequest
+ToDetokenizer = DetokenizeRequest | TokenBatch
+ToMain = TextBatch | SchedulerReady | DetokenizerReady | ProcessFailed | RequestFailed | SchedulerStats

@@ -1,0 +1,34 @@
+"""`tokenmill bench serve` pieces that need no server: workload, percentiles, summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.entrypoints.bench_serve import Sample, _summarize, make_prompts, percentile
+
+
+def test_prompts_are_seeded_and_about_the_asked_length():
+    assert make_prompts(3, 250, seed=1) == make_prompts(3, 250, seed=1)
+    assert make_prompts(3, 250, seed=1) != make_prompts(3, 250, seed=2)
+    assert all(len(p.split()) == 250 for p in make_prompts(3, 250, seed=1))
+
+
+def test_percentile_interpolates_like_numpy():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 50) == pytest.approx(2.5)
+    assert percentile(values, 90) == pytest.approx(3.7)
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+
+
+def test_summary_counts_errors_and_tokens():
+    samples = [
+        Sample(ok=True, ttft=0.5, itls=[0.1, 0.2], output_tokens=3, prompt_tokens=250),
+        Sample(ok=True, ttft=1.5, itls=[0.3], output_tokens=2, prompt_tokens=252),
+        Sample(ok=False, error="HTTP 503: busy"),
+    ]
+    s = _summarize(4, samples, seconds=2.0)
+    assert (s["requests"], s["num_errors"], s["errors"]) == (3, 1, ["HTTP 503: busy"])
+    assert s["output_tokens_per_s"] == pytest.approx(2.5)
+    assert s["ttft_p50_s"] == pytest.approx(1.0) and s["itl_p50_s"] == pytest.approx(0.2)
+    assert s["mean_prompt_tokens"] == pytest.approx(251)

@@ -1,0 +1,296 @@
+"""End to end through one real `tokenmill serve` on the bundled model, with the official openai SDK.
+
+The server starts once for the module (with --api-key). The last tests are destructive on purpose
+and run last, in file order: they kill the scheduler, then shut the server down.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.frontend.conftest import bundled_gguf_path
+from tests.real_model import make_llm
+from tests.server.server_process import ServerProcess, alive, child_pid
+from tokenmill.sample.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed"),
+]
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The history of the printing press begins"
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def starting_server():
+    srv = ServerProcess("--api-key", KEY)
+    try:
+        yield srv
+    finally:
+        srv.stop()  # raises if any child process outlives the server
+
+
+@pytest.fixture(scope="module")
+def llm(starting_server):
+    # Built while the server loads the same model, not after it.
+    return make_llm(kv_cache_tokens=8192, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def server(starting_server, llm) -> ServerProcess:
+    starting_server.wait_ready()
+    return starting_server
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_greedy_chat_and_completion_equal_the_offline_api(client, model, llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    chat = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=16)
+    assert chat.choices[0].message.content == llm.chat(CHAT, greedy)[0].outputs[0].text
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.prompt_tokens == len(llm.chat_prompt_ids(CHAT))
+    offline = llm.generate(PROMPT, greedy)[0].outputs[0]
+    comp = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=16)
+    assert comp.choices[0].text == offline.text
+    assert comp.usage.completion_tokens == len(offline.token_ids)
+    assert comp.usage.total_tokens == comp.usage.prompt_tokens + comp.usage.completion_tokens
+
+
+def test_streaming_chat_with_usage(client, model):
+    full = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=12)
+    chunks = list(client.chat.completions.create(
+        model=model, messages=CHAT, temperature=0, max_tokens=12, stream=True, stream_options={"include_usage": True}
+    ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_streaming_completion_token_prompt_and_echo(client, model, llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    full = client.completions.create(model=model, prompt=ids, temperature=0, max_tokens=8)
+    stream = client.completions.create(model=model, prompt=ids, temperature=0, max_tokens=8, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+    echoed = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=8, echo=True)
+    assert echoed.choices[0].text == PROMPT + full.choices[0].text
+
+
+def test_n_samples_and_batch_prompts(client, model):
+    out = client.chat.completions.create(model=model, messages=CHAT, n=2, seed=7, max_tokens=6, temperature=1.0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert 2 <= out.usage.completion_tokens <= 12  # both samples counted, each at most max_tokens
+    again = client.chat.completions.create(model=model, messages=CHAT, n=2, seed=7, max_tokens=6, temperature=1.0)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]  # seeded
+    batch = client.completions.create(model=model, prompt=["Hello", "Goodbye"], n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text  # greedy samples of one prompt agree
+
+
+def test_every_extra_field_reaches_the_engine(client, model):
+    extras = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 3, "stop_token_ids": [2],
+              "include_stop_str_in_output": True, "skip_special_tokens": False,
+              "spaces_between_special_tokens": False, "cache_salt": "tenant-a", "ignore_eos": False}
+    comp = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, seed=3, user="u",
+                                     presence_penalty=0.1, frequency_penalty=0.1, logit_bias={"100": -5},
+                                     extra_body=extras)
+    assert 3 <= comp.usage.completion_tokens <= 4  # min_tokens and max_tokens both honoured
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    chat = client.chat.completions.create(model=model, messages=parts, max_completion_tokens=3, temperature=0,
+                                          tools=tools, extra_body={"chat_template_kwargs": {"x": 1}})
+    assert chat.usage.completion_tokens <= 3
+
+
+def test_stop_strings_match_the_offline_api(client, model, llm):
+    offline = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    words = offline.text.split()
+    stop = words[len(words) // 2]  # a word from the middle of the greedy continuation
+    expected = offline.text[: offline.text.index(stop)]
+    comp = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=24, stop=[stop],
+                                      extra_body={"ignore_eos": True})
+    assert comp.choices[0].text == expected
+    assert comp.choices[0].finish_reason == "stop"
+    assert comp.choices[0].model_extra.get("stop_reason") == stop
+    streamed = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=24, stop=stop,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+
+
+def test_logprobs(client, model):
+    chat = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=5, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy picks the best
+    comp = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=5, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == 5 and lp.text_offset[0] == 0
+
+
+def test_echo_with_prompt_logprobs_like_lm_eval(client, model, llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    offline = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    expected = getattr(offline[0], "prompt_logprobs", None)
+    body = {"model": model, "prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    resp = httpx.post(f"{client.base_url}completions", json=body, headers=AUTH, timeout=60)
+    if expected is None:  # an engine without prompt logprobs: a clear 400, never made-up numbers
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
+        return
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["text"] == llm.tokenizer.decode(ids)  # the prompt alone: max_tokens 0
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([e.logprob for e in expected[1:]], abs=1e-4)
+    assert resp.json()["usage"]["completion_tokens"] == 0
+    both = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=1,
+                                     extra_body={"prompt_logprobs": 0})
+    assert len(both.choices[0].logprobs.tokens) == len(ids) + 2
+    field = both.choices[0].model_extra["prompt_logprobs"]
+    assert field[0] is None and field[1][str(ids[1])]["logprob"] == pytest.approx(expected[1].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", b'{"prompt": "x", ', 400, None),  # invalid JSON
+        ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "model"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": CHAT, "temperature": -0.5}, 400, "temperature"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 50, "logprobs": True}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [100] * 9000}, 400, "prompt"),  # longer than the context
+        ("/v1/completions", {"prompt": [100] * 8000, "max_tokens": 500}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": [49152]}, 400, "prompt"),  # outside the vocabulary
+    ],
+)
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    resp = httpx.post(f"{server.url}{path}", headers=AUTH, timeout=30, **kwargs)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+def test_disconnect_aborts_and_frees_kv(server, model):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    url = f"{server.url}/v1/completions"
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data:")) >= 1
+        deadline = time.monotonic() + 10
+        while metrics(server).get("tokenmill:num_requests_running", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metrics(server)["tokenmill:num_requests_running"] == 1
+    assert_idle_soon(server)
+    with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up
+        httpx.post(url, json=body, headers=AUTH, timeout=2)
+    assert_idle_soon(server)
+
+
+def assert_idle_soon(server, seconds: float = 10.0):
+    deadline = time.monotonic() + seconds
+    while True:
+        m = metrics(server)
+        idle = (m["tokenmill:num_requests_running"], m["tokenmill:num_requests_waiting"],
+                m["tokenmill:kv_cache_usage_perc"]) == (0, 0, 0)
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert idle, m
+
+
+def test_metrics_names(server):
+    m = metrics(server)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_hit_tokens_total", "prompt_tokens_total", "generation_tokens_total"):
+        assert f"tokenmill:{name}" in m
+    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        assert m[f"tokenmill:{hist}_count"] > 0
+    assert m["tokenmill:generation_tokens_total"] > 0
+
+
+def test_health_was_503_while_starting(server):
+    assert 503 in server.health_codes and server.health_codes[-1] == 200
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+def test_api_key_is_required_everywhere_but_health(server):
+    for method, path, body in (("GET", "/v1/models", None), ("GET", "/metrics", None),
+                               ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1})):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            resp = httpx.request(method, f"{server.url}{path}", json=body, headers=headers, timeout=30)
+            assert resp.status_code == 401, (path, resp.text)
+            assert resp.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.request(method, f"{server.url}{path}", json=body, headers=AUTH, timeout=60).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+# ---- destructive: keep these last ---------------------------------------------------------------
+def test_killed_scheduler_fails_requests_and_health(server, client, model):
+    stream = iter(client.completions.create(model=model, prompt="Once upon a time", max_tokens=1000, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    next(stream)
+    os.kill(child_pid(server.proc.pid, "scheduler_process"), signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="scheduler"):  # the stream ends as an error, never hangs
+        for _ in stream:
+            pass
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server.url}/health", timeout=30).status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    health = httpx.get(f"{server.url}/health", timeout=30)
+    assert health.status_code == 503 and "scheduler" in health.json()["error"]["message"]
+    with pytest.raises(openai.InternalServerError):  # 503: new requests are refused, not queued forever
+        client.completions.create(model=model, prompt="Hi", max_tokens=1)
+    assert "scheduler process exited" in server.log_text()
+
+
+def test_sigterm_shuts_everything_down(server):
+    detokenizer = child_pid(server.proc.pid, "detokenizer_process")
+    code = server.stop()  # raises if a child outlives the server
+    assert code in (0, -signal.SIGTERM)
+    assert not alive(detokenizer)
+    assert server.ipc_dir and not os.path.exists(server.ipc_dir)
