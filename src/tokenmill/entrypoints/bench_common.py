@@ -25,6 +25,7 @@ from tokenmill.model.loader import expected_shapes
 # Ids below this are control tokens in SmolLM2's vocabulary (< 17) and in the other vocabularies we
 # load; random prompts of special tokens would exercise nothing a real prompt does.
 FIRST_ORDINARY_TOKEN = 100
+THREAD_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,9 @@ def run_settings(threads: int) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         # Other workers share these CPUs; a high load average before the run explains a slow row.
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        # OpenMP's default spin-wait makes 2 threads on 2 shared cores many times slower than 1;
+        # OMP_WAIT_POLICY=PASSIVE avoids it (docs/benchmarks.md), so a result must say which it ran under.
+        "env": {k: os.environ.get(k) for k in THREAD_ENV},
     }
 
 
@@ -170,7 +174,8 @@ def _git_commit() -> str | None:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
+            # "-dirty" marks numbers measured on uncommitted changes: the commit alone would mislead.
+            ["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=here, capture_output=True, text=True, timeout=5, check=True
         )
     except (OSError, subprocess.SubprocessError):
         return None  # not a checkout, no git, or no commit yet
@@ -178,7 +183,7 @@ def _git_commit() -> str | None:
 
 
 def format_table(rows: dict[str, dict]) -> str:
-    """One line per engine; the spread column is only informative with --repeats > 1."""
+    """One line per engine; spread is half the min-max range of output tokens/s, over the median."""
     header = ("engine", "requests", "prompt tok", "output tok", "seconds", "out tok/s", "total tok/s",
               "GFLOP/s", "of ceiling", "spread")
     lines = [header]
@@ -187,7 +192,7 @@ def format_table(rows: dict[str, dict]) -> str:
             name, str(s["requests"]), str(s["prompt_tokens"]), str(s["output_tokens"]),
             f"{s['seconds']:.2f}", f"{s['output_tokens_per_s']:.1f}", f"{s['total_tokens_per_s']:.1f}",
             f"{s['achieved_gflop_per_s']:.1f}", f"{100 * s['fraction_of_ceiling']:.1f}%",
-            f"±{50 * s['spread']:.1f}%",
+            f"±{50 * s['spread']:.1f}%" if len(s["runs"]) > 1 else "-",
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     fmt = [line[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in zip(line[1:], widths[1:]))

@@ -84,6 +84,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     vocab = llm.engine.vocab_size
     workload = make_workload(args.requests, (args.min_prompt, args.max_prompt),
                              (args.min_output, args.max_output), vocab, args.workload_seed)
+    settings = run_settings(threads)  # before the runs: the date and load they started under
     ceilings = matmul_ceilings(threads, args.ceiling_size)
     warmup = _warmup_workload(vocab, args.workload_seed) if args.warmup else None
 
@@ -94,6 +95,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         _reset_prefix_cache(llm)  # a repeat must not be served from the previous one's cache
         runs.append(run_tokenmill(llm, workload))
     results = {"tokenmill": summarize(runs, flops, ceilings["bf16" if args.precision == "fast" else "fp32"])}
+    # Steps, preemptions and prefix-cache hits explain a number; they are cumulative over warm-up and repeats.
+    engine_stats = llm.stats()
     del llm  # free its weights and KV pool before the peer loads its own copy
     gc.collect()
 
@@ -108,13 +111,15 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         gc.collect()
 
     report = {
-        "settings": {**run_settings(threads), "precision": args.precision, "engine_args": kwargs,
+        "settings": {**settings, "load_average_end": run_settings(threads)["load_average"],
+                     "precision": args.precision, "engine_args": kwargs,
                      "args": {k: v for k, v in vars(args).items() if k != "func"}},
         "ceilings_gflop_per_s": ceilings,
         "model": {"source": args.model or "bundled SmolLM2-135M-Instruct (Q4_1 GGUF, run in fp32)",
                   "architecture": config.architecture, "body_params": flops.body_params,
                   "lm_head_params": flops.head_params, "attention_flops": "excluded"},
         "results": results,
+        "tokenmill_engine_stats": engine_stats,
     }
     if "transformers" in results:
         report["ratio_output_tokens_per_s"] = (
@@ -134,9 +139,12 @@ def _warmup_workload(vocab: int, seed: int) -> list[BenchRequest]:
 
 
 def _reset_prefix_cache(llm: Any) -> None:
-    reset = getattr(llm, "reset_prefix_cache", None)
-    if callable(reset):
-        reset()
+    # The offline API may not expose it; the engine core does (EngineCore.reset_prefix_cache).
+    for owner in (llm, getattr(llm, "engine", None)):
+        reset = getattr(owner, "reset_prefix_cache", None)
+        if callable(reset):
+            reset()
+            return
 
 
 # ---- the engines -------------------------------------------------------------------------------
@@ -213,9 +221,13 @@ def _prompt_tokens(workload: list[BenchRequest]) -> int:
 def _print_report(report: dict) -> None:
     s, c = report["settings"], report["ceilings_gflop_per_s"]
     load = s["load_average"]
-    print(f"threads {s['threads']}, precision {s['precision']}, load average "
+    wait = s["env"]["OMP_WAIT_POLICY"] or "default"
+    print(f"threads {s['threads']} (OMP_WAIT_POLICY {wait}), precision {s['precision']}, load average "
           f"{'n/a' if load is None else f'{load[0]:.2f}'}; ceilings fp32 {c['fp32']:.0f} GFLOP/s, "
           f"bf16 {c['bf16']:.0f} GFLOP/s (tokenmill fast: bf16, exact and transformers: fp32)")
+    if wait == "default" and s["threads"] > 1 and load is not None and load[0] > 1.0:
+        print("note: other processes are running; with OpenMP's default spin-wait, several threads on shared "
+              "cores can run many times slower: rerun with OMP_WAIT_POLICY=PASSIVE", file=sys.stderr)
     print(format_table(report["results"]))
     if "ratio_output_tokens_per_s" in report:
         print(f"tokenmill / transformers output tokens/s: {report['ratio_output_tokens_per_s']:.2f}x")
