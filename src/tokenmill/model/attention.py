@@ -13,22 +13,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.model import cpu_attention_kernel
+
 
 @dataclass
 class PrefillSpan:
     q_start: int  # first row of this chunk in the flat batch
     q_len: int
     kv_len: int  # tokens of context including this chunk
-    kv_slots: torch.Tensor  # [kv_len] cache slots of positions 0..kv_len-1
+    pages: torch.Tensor  # [ceil(kv_len / page_size)] the sequence's pages, in position order
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     num_decode: int  # the first num_decode rows are decode rows
-    decode_kv_slots: torch.Tensor | None  # [num_decode, max_len] slots, padded
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_len] additive mask: 0 or -inf
+    page_size: int
+    decode_block_table: torch.Tensor | None  # [num_decode, max_pages] page ids, padded with page 0
+    decode_mask: torch.Tensor | None  # [1, num_decode, 1, max_pages * page_size] additive: 0 or -inf
     prefills: list[PrefillSpan]
+    decode_seq_lens: torch.Tensor | None = None  # [num_decode] int64 context lengths (for the C++ kernel)
 
 
 class AttentionBackend(abc.ABC):
@@ -43,7 +47,7 @@ class AttentionBackend(abc.ABC):
         q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_kv_heads, num_pages * page_size, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
@@ -57,11 +61,12 @@ class TorchPagedAttention(AttentionBackend):
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
+        cpu_attention_kernel.available()  # build/load the C++ decode kernel now, not in the first step
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
         # Write first, so every read below sees the current tokens too.
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_tokens = q.shape[0]
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype)
         nd = meta.num_decode
@@ -69,23 +74,47 @@ class TorchPagedAttention(AttentionBackend):
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, span)
+            out[rows] = self._prefill(q[rows], k_cache, v_cache, span, meta.page_size)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
-    def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
-        nd = q.shape[0]
-        # Query heads that share a KV head sit next to each other (HF's repeat_kv order), so grouping
-        # them as [nd, kv_heads, group, head_dim] attends GQA without copying K/V per query head.
-        qg = q.view(nd, self.num_kv_heads, self.group, self.head_dim)
-        keys = k_cache[meta.decode_kv_slots].permute(0, 2, 3, 1)  # [nd, kv_heads, head_dim, L]
-        values = v_cache[meta.decode_kv_slots].transpose(1, 2)  # [nd, kv_heads, L, head_dim]
-        scores = torch.matmul(qg, keys).mul_(self.scale).add_(meta.decode_mask)
-        probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(probs, values).view(nd, self.num_heads, self.head_dim)
+    def _gather_pages(self, cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+        """[kv_heads, len(pages) * page_size, head_dim]: the pages' K or V, in order.
 
-    def _prefill(self, q, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
-        keys = k_cache[span.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, head_dim]
-        values = v_cache[span.kv_slots].transpose(0, 1).unsqueeze(0)
+        Whole pages are copied (rows of page_size * head_dim floats), one index_select along dim 0
+        per KV head into a preallocated output: measured ~7x faster than one index_select along
+        dim 1, and than gathering single token slots.
+        """
+        kvh, num_slots, hd = cache.shape
+        by_page = cache.view(kvh, num_slots // page_size, page_size * hd)
+        out = torch.empty(kvh, pages.shape[0], page_size * hd, dtype=cache.dtype)
+        for head in range(kvh):
+            torch.index_select(by_page[head], 0, pages, out=out[head])
+        return out.view(kvh, -1, hd)
+
+    def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        # The fused C++ kernel reads K/V through the block table: no gather, no padding.
+        if meta.decode_seq_lens is not None and cpu_attention_kernel.available():
+            return cpu_attention_kernel.paged_decode_attention(
+                q, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, meta.page_size, self.scale
+            )
+        table = meta.decode_block_table
+        nd, max_pages = table.shape
+        kvh, group, hd = self.num_kv_heads, self.group, self.head_dim
+        # The cache is head-major, so the gather yields [kv_heads, nd, L, head_dim]: contiguous
+        # matrices per (head, sequence) that matmul reads directly (K transposed via strides).
+        keys = self._gather_pages(k_cache, table.view(-1), meta.page_size).view(kvh, nd, -1, hd)
+        values = self._gather_pages(v_cache, table.view(-1), meta.page_size).view(kvh, nd, -1, hd)
+        # Query heads that share a KV head sit next to each other (HF's repeat_kv order), so grouping
+        # them as [kv_heads, nd, group, head_dim] attends GQA without copying K/V per query head.
+        qg = q.view(nd, kvh, group, hd).transpose(0, 1)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scale).add_(meta.decode_mask)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, values)  # [kv_heads, nd, group, head_dim]
+        return out.transpose(0, 1).reshape(nd, self.num_heads, hd)
+
+    def _prefill(self, q, k_cache, v_cache, span: PrefillSpan, page_size: int) -> torch.Tensor:
+        keys = self._gather_pages(k_cache, span.pages, page_size)[:, : span.kv_len].unsqueeze(0)
+        values = self._gather_pages(v_cache, span.pages, page_size)[:, : span.kv_len].unsqueeze(0)
         query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
         if span.kv_len == span.q_len:
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)

@@ -22,37 +22,71 @@ class SeqChunk:
     start: int  # position of token_ids[0] (= tokens whose K/V are already cached)
     pages: list[int]  # the sequence's KV pages, enough for start + len(token_ids) tokens
     sample: bool  # whether the last token's logits are needed
+    # Logits for every token of the chunk, not just the last (prompt logprobs need them all).
+    all_logits: bool = False
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int) -> None:
         self.model = model
         self.page_size = page_size
+        self.num_pages = num_pages
         c: ModelConfig = model.config
         num_slots = num_pages * page_size
         # torch.empty: untouched pages cost no resident memory, so a large pool is cheap until used.
+        # But attention reads whole pages, including slots not yet written, and uninitialised memory
+        # may hold NaN (NaN * 0 in probs @ V is NaN). So pages are zeroed the first time any step
+        # touches them; the free list hands out low page ids first, so a high-water mark suffices.
+        self._zeroed_pages = 0
         self.kv_caches = [
             (
-                torch.empty(num_slots, c.num_kv_heads, c.head_dim),
-                torch.empty(num_slots, c.num_kv_heads, c.head_dim),
+                torch.empty(c.num_kv_heads, num_slots, c.head_dim),
+                torch.empty(c.num_kv_heads, num_slots, c.head_dim),
             )
             for _ in range(c.num_layers)
         ]
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Logits [number of chunks with sample=True, vocab], in the order of `chunks`."""
+        """Logits [number of chunks with sample=True, vocab], in the order of `chunks`; a chunk with
+        all_logits=True has one row per token instead (see _all_logit_rows)."""
         # Decode rows first: attention batches them together (see attention.py).
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         ordered = [chunks[i] for i in order]
         input_ids, positions, meta, last_rows = self._prepare(ordered)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        if any(c.all_logits for c in chunks):
+            return self.model.compute_logits(hidden[self._all_logit_rows(chunks, order, last_rows)])
         sample_rows = [last_rows[j] for j, i in enumerate(order) if chunks[i].sample]
         sampled_in_order = [i for i in order if chunks[i].sample]
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long)])
         # Back to the caller's chunk order.
         restore = sorted(range(len(sampled_in_order)), key=lambda j: sampled_in_order[j])
         return logits[torch.tensor(restore, dtype=torch.long)] if restore != list(range(len(restore))) else logits
+
+    @staticmethod
+    def _all_logit_rows(chunks: list[SeqChunk], order: list[int], last_rows: list[int]) -> torch.Tensor:
+        """Hidden rows to turn into logits, in the caller's chunk order: every row of an `all_logits`
+        chunk (its last row is the sampling row when it samples), the last row of a sampling chunk."""
+        last = {i: last_rows[j] for j, i in enumerate(order)}
+        rows: list[int] = []
+        for i, c in enumerate(chunks):
+            if c.all_logits:
+                rows.extend(range(last[i] - len(c.token_ids) + 1, last[i] + 1))
+            elif c.sample:
+                rows.append(last[i])
+        return torch.tensor(rows, dtype=torch.long)
+
+    def _zero_new_pages(self, upto: int) -> None:
+        if upto <= self._zeroed_pages:
+            return
+        # Zero ahead in big steps, so this happens a handful of times, not every step.
+        upto = min(max(upto, 2 * self._zeroed_pages, 64), self.num_pages)
+        start, end = self._zeroed_pages * self.page_size, upto * self.page_size
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[:, start:end].zero_()
+            v_cache[:, start:end].zero_()
+        self._zeroed_pages = upto
 
     def _prepare(self, chunks: list[SeqChunk]):
         size = self.page_size
@@ -65,36 +99,37 @@ class ModelRunner:
             positions.extend(range(c.start, c.start + len(c.token_ids)))
             last_rows.append(len(token_ids) - 1)
         slot_parts: list[torch.Tensor] = []
+        self._zero_new_pages(max(max(c.pages) for c in chunks) + 1)
 
-        decode_slots = decode_mask = None
+        table = decode_mask = lengths = None
         if decode:
             nd = len(decode)
             lengths = torch.tensor([c.start + 1 for c in decode])
-            max_len = int(lengths.max())
-            max_pages = -(-max_len // size)
+            max_pages = -(-int(lengths.max()) // size)
             table = torch.tensor([c.pages[:max_pages] + [0] * (max_pages - len(c.pages[:max_pages])) for c in decode])
-            pos = torch.arange(max_len)
-            decode_slots = table[:, pos // size] * size + pos % size  # [nd, max_len]
+            pos = torch.arange(max_pages * size)
             valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
-            decode_mask = torch.zeros(nd, max_len).masked_fill_(~valid, float("-inf")).view(nd, 1, 1, max_len)
-            slot_parts.append(decode_slots[torch.arange(nd), lengths - 1])
+            decode_mask = torch.zeros(nd, max_pages * size).masked_fill_(~valid, float("-inf")).view(1, nd, 1, -1)
+            last = lengths - 1
+            slot_parts.append(table[torch.arange(nd), last // size] * size + last % size)
 
         prefills: list[PrefillSpan] = []
         row = len(decode)
         for c in chunks[len(decode):]:
             kv_len = c.start + len(c.token_ids)
-            pos = torch.arange(kv_len)
             pages = torch.tensor(c.pages[: -(-kv_len // size)])
-            kv_slots = pages[pos // size] * size + pos % size
-            prefills.append(PrefillSpan(row, len(c.token_ids), kv_len, kv_slots))
-            slot_parts.append(kv_slots[c.start:])
+            prefills.append(PrefillSpan(row, len(c.token_ids), kv_len, pages))
+            pos = torch.arange(c.start, kv_len)
+            slot_parts.append(pages[pos // size] * size + pos % size)
             row += len(c.token_ids)
 
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts),
             num_decode=len(decode),
-            decode_kv_slots=decode_slots,
+            page_size=size,
+            decode_block_table=table,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_seq_lens=lengths,
         )
         return torch.tensor(token_ids), torch.tensor(positions), meta, last_rows

@@ -1,0 +1,183 @@
+"""The C++ paged-attention decode kernel against the PyTorch path and a naive float64 reference:
+random caches, random (non-contiguous) block tables, lengths of 1, exact page multiples and ragged,
+GQA groups 1 and 3, every head_dim branch, every SIMD variant the CPU has, fp32 and bf16 caches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tokenmill.model import cpu_attention_kernel as kernel
+from tokenmill.model.attention import AttentionMetadata, TorchPagedAttention
+
+
+@pytest.fixture(scope="module")
+def built():
+    if kernel.disabled():
+        pytest.skip(f"{kernel.DISABLE_ENV} is set")
+    if not kernel.available():
+        pytest.skip("the CPU attention kernel could not be built here (see the warning logged)")
+
+
+def make_case(lengths, kv_heads, group, head_dim, page_size, seed=0, dtype=torch.float32, spare_pages=5):
+    """Random caches whose pages are handed out in a shuffled order, and a padded block table."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // page_size) for n in lengths]
+    num_pages = sum(need) + spare_pages
+    order = torch.randperm(num_pages, generator=g)
+    k_cache = torch.randn(kv_heads, num_pages * page_size, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, num_pages * page_size, head_dim, generator=g).to(dtype)
+    max_pages = max(need)
+    table = torch.zeros(len(lengths), max_pages, dtype=torch.long)  # padded with page 0, as the runner does
+    taken = 0
+    for row, n in enumerate(need):
+        table[row, :n] = order[taken : taken + n]
+        taken += n
+    # Scores of a few units, so softmax is far from uniform.
+    q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=g) * 3
+    return q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.long)
+
+
+def naive(q, k_cache, v_cache, table, lens, page_size, scale):
+    nd, heads, hd = q.shape
+    group = heads // k_cache.shape[0]
+    out = torch.empty(nd, heads, hd, dtype=torch.float64)
+    for row in range(nd):
+        pos = torch.arange(int(lens[row]))
+        slots = table[row, pos // page_size] * page_size + pos % page_size
+        for h in range(heads):
+            keys = k_cache[h // group, slots].double()
+            values = v_cache[h // group, slots].double()
+            probs = torch.softmax(keys @ q[row, h].double() * scale, dim=0)
+            out[row, h] = probs @ values
+    return out
+
+
+def torch_path(q, k_cache, v_cache, table, lens, page_size):
+    """TorchPagedAttention._decode without the kernel: the gather + matmul path."""
+    nd, heads, hd = q.shape
+    pos = torch.arange(table.shape[1] * page_size)
+    valid = pos.unsqueeze(0) < lens.unsqueeze(1)
+    mask = torch.zeros(nd, pos.numel()).masked_fill_(~valid, float("-inf")).view(1, nd, 1, -1)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), nd, page_size, table, mask, [], decode_seq_lens=None)
+    return TorchPagedAttention(heads, k_cache.shape[0], hd)._decode(q, k_cache, v_cache, meta)
+
+
+CASES = [
+    # lengths, kv_heads, group, head_dim, page_size
+    ([1, 16, 32, 17, 5, 48, 3], 3, 3, 64, 16),  # SmolLM2-like: lengths 1, exact page multiples, ragged
+    ([1, 2, 7, 9, 40, 33], 2, 1, 64, 4),  # group 1 (MHA)
+    ([300, 451, 1, 512, 97], 3, 3, 64, 16),  # long enough for the 8-position blocks and the prefetch
+    ([1, 12, 20, 13], 2, 2, 16, 4),  # the tiny test models' head_dim
+    ([3, 9, 10, 24], 2, 3, 32, 3),  # qwen3 tiny: head_dim 32, odd page size
+    ([130, 1, 64], 2, 4, 128, 16),  # head_dim 128
+    ([1, 5, 33, 64], 2, 3, 24, 8),  # a head_dim with no vector branch: plain loops
+    ([1, 5, 33, 64], 1, 3, 96, 16),  # ditto, and one KV head
+]
+
+
+@pytest.mark.parametrize("lengths,kv_heads,group,head_dim,page_size", CASES)
+def test_matches_torch_path_and_reference(built, lengths, kv_heads, group, head_dim, page_size):
+    q, k_cache, v_cache, table, lens = make_case(lengths, kv_heads, group, head_dim, page_size)
+    scale = head_dim**-0.5
+    ref = naive(q, k_cache, v_cache, table, lens, page_size, scale)
+    fallback = torch_path(q, k_cache, v_cache, table, lens, page_size)
+    torch.testing.assert_close(fallback.double(), ref, atol=1e-5, rtol=1e-5)
+    for isa in range(kernel.best_isa() + 1):  # every SIMD variant this CPU can run
+        out = kernel.paged_decode_attention(q, k_cache, v_cache, table, lens, page_size, scale, isa=isa)
+        assert out.shape == q.shape and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, msg=lambda m, isa=isa: f"isa {isa}: {m}")
+        torch.testing.assert_close(out, fallback, atol=2e-5, rtol=1e-5)
+
+
+def test_int32_tables_and_threads(built):
+    q, k_cache, v_cache, table, lens = make_case([1, 100, 64, 250, 31, 7, 16, 200], 3, 3, 64, 16, seed=1)
+    ref = naive(q, k_cache, v_cache, table, lens, 16, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out = kernel.paged_decode_attention(q, k_cache, v_cache, table.int(), lens.int(), 16, 0.125)
+            torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bf16_cache(built):
+    q, k_cache, v_cache, table, lens = make_case([1, 16, 45, 200], 3, 3, 64, 16, seed=2, dtype=torch.bfloat16)
+    ref = naive(q, k_cache.float(), v_cache.float(), table, lens, 16, 0.125)
+    for isa in range(kernel.best_isa() + 1):
+        out = kernel.paged_decode_attention(q, k_cache, v_cache, table, lens, 16, 0.125, isa=isa)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_large_scores_stay_finite(built):
+    """Max subtraction: scores in the thousands must not overflow exp."""
+    q, k_cache, v_cache, table, lens = make_case([1, 40, 77], 2, 3, 64, 16, seed=3)
+    q = q * 200
+    out = kernel.paged_decode_attention(q, k_cache, v_cache, table, lens, 16, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), naive(q, k_cache, v_cache, table, lens, 16, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_bad_input(built):
+    q, k_cache, v_cache, table, lens = make_case([5, 20], 2, 3, 64, 4)
+    bad = table.clone()
+    bad[1, 0] = 10_000
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernel.paged_decode_attention(q, k_cache, v_cache, bad, lens, 4, 0.125)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kernel.paged_decode_attention(q, k_cache, v_cache, table, lens + 100, 4, 0.125)
+    with pytest.raises(RuntimeError, match="multiple"):
+        kernel.paged_decode_attention(q[:, :5], k_cache, v_cache, table, lens, 4, 0.125)
+
+
+def test_attention_uses_kernel_unless_disabled(built, monkeypatch):
+    """TorchPagedAttention._decode goes through the kernel when the runner gives seq lens, and
+    TOKENMILL_DISABLE_CPU_KERNEL=1 switches it off; both give the same numbers."""
+    q, k_cache, v_cache, table, lens = make_case([1, 16, 45, 200], 3, 3, 64, 16, seed=4)
+    ref = torch_path(q, k_cache, v_cache, table, lens, 16)
+    pos = torch.arange(table.shape[1] * 16)
+    mask = torch.zeros(4, pos.numel()).masked_fill_(~(pos < lens.unsqueeze(1)), float("-inf")).view(1, 4, 1, -1)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), 4, 16, table, mask, [], decode_seq_lens=lens)
+    attention = TorchPagedAttention(9, 3, 64)
+
+    calls = []
+    real = kernel.paged_decode_attention
+    monkeypatch.setattr(kernel, "paged_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.testing.assert_close(attention._decode(q, k_cache, v_cache, meta), ref, atol=2e-5, rtol=1e-5)
+    assert calls == [1]
+    monkeypatch.setenv(kernel.DISABLE_ENV, "1")
+    assert not kernel.available()
+    torch.testing.assert_close(attention._decode(q, k_cache, v_cache, meta), ref, atol=0, rtol=0)
+    assert calls == [1]
+    torch.testing.assert_close(
+        attention._decode(q, k_cache, v_cache, dataclasses.replace(meta, decode_seq_lens=None)), ref, atol=0, rtol=0
+    )
+
+
+def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
+    """A broken compiler must not break anything: available() is False with one warning."""
+    monkeypatch.setattr(kernel, "_state", None)
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    monkeypatch.delenv(kernel.DISABLE_ENV, raising=False)
+    with caplog.at_level("WARNING", logger=kernel.__name__):
+        assert kernel.available() is False
+        assert kernel.available() is False
+    assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
+    assert (next(tmp_path.glob("kernels/*")) / "build.log").exists()
+    with pytest.raises(RuntimeError, match="not available"):
+        kernel.paged_decode_attention(*make_case([3], 1, 1, 16, 4), 4, 0.25)
+
+
+def test_missing_compiler_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(kernel, "_state", None)
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-tokenmill")
+    monkeypatch.delenv(kernel.DISABLE_ENV, raising=False)
+    with caplog.at_level("WARNING", logger=kernel.__name__):
+        assert kernel.available() is False
+    assert any("no C++ compiler" in r.getMessage() for r in caplog.records)
