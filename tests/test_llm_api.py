@@ -58,6 +58,22 @@ def test_n_samples_with_a_seed_are_reproducible(llm):
     assert len({tuple(o.token_ids) for o in a.outputs}) > 1
 
 
+def test_n4_prefills_the_prompt_once_and_is_reproducible(llm):
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)  # 51 tokens
+    llm.reset_prefix_cache()
+    before = llm.stats()["prompt_tokens_computed_total"]
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": ids}, params)[0]
+    computed = llm.stats()["prompt_tokens_computed_total"] - before
+    # One prefill; each other sample recomputes only the prompt's last partial page (16-token pages).
+    assert computed == len(ids) + 3 * (len(ids) - (len(ids) - 1) // 16 * 16)
+    assert computed <= len(ids) + 3 * 16
+    assert first.num_cached_tokens == 0  # the samples sharing each other's prefill is not a cache hit
+    assert len(first.outputs) == 4 and all(len(o.token_ids) == 8 for o in first.outputs)
+    again = llm.generate({"prompt_token_ids": ids}, params)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
+
+
 def test_stats_and_integrity_after_work(llm):
     llm.generate(["a b c", "d e f"], greedy(4))
     stats = llm.stats()

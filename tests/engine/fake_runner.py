@@ -28,7 +28,6 @@ class FakeRunner:
         self.steps: list[list[tuple[int, int, bool]]] = []  # per step: (start, len, sample)
         self.read_only_pages: Callable[[], set[int]] | None = None  # pages no chunk may write
 
-
     def _slot(self, pages: list[int], pos: int) -> int:
         return pages[pos // self.page_size] * self.page_size + pos % self.page_size
 
@@ -44,9 +43,11 @@ class FakeRunner:
             assert not written & frozen, f"a chunk writes into cached pages {sorted(written & frozen)}"
             for i, token in enumerate(c.token_ids):
                 self.slots[self._slot(c.pages, c.start + i)] = token
-            if c.sample:
-                end = c.start + len(c.token_ids)
-                prefix = [self.slots[self._slot(c.pages, p)] for p in range(end)]
+            end = c.start + len(c.token_ids)
+            # all_logits: a row per token (prompt logprobs), else only the sampling row.
+            ends = range(c.start + 1, end + 1) if c.all_logits else [end] if c.sample else []
+            for e in ends:
+                prefix = [self.slots[self._slot(c.pages, p)] for p in range(e)]
                 assert None not in prefix, "read a slot that was never written"
                 rows.append(next_token(prefix, self.vocab_size))
         logits = torch.full((len(rows), self.vocab_size), -10.0)

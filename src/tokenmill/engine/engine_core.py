@@ -20,7 +20,7 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import InvalidRequest
 from tokenmill.kvcache.page_pool import PagePool
 from tokenmill.model.runner import ModelRunner, SeqChunk
-from tokenmill.sample.logprobs import TokenLogprobs
+from tokenmill.sample.logprobs import TokenLogprobs, prompt_logprobs
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.sampling_batch import SamplingBatch
 from tokenmill.sample.sampling_params import SamplingParams
@@ -39,6 +39,9 @@ class EngineOutput:
     stop_reason: int | str | None = None  # the stop token id (None for EOS)
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (page-aligned)
+    # params.prompt_logprobs, on the request's first output only: one entry per prompt token, the
+    # first None (vLLM's shape).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class EngineCore:
@@ -64,6 +67,9 @@ class EngineCore:
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Prompt positions actually run through the model (recomputes included, cache hits not):
+        # what prefix sharing saves shows here.
+        self.prompt_tokens_computed_total = 0
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(
@@ -112,6 +118,8 @@ class EngineCore:
             )
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         request = Request(request_id, list(prompt_token_ids), params, max_tokens, generator, cache_salt)
+        # Same prompt and salt, same group: the scheduler prefills such requests once (n > 1).
+        request.prefill_group = hash((cache_salt, tuple(prompt_token_ids)))
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.prompt_tokens_total += n_prompt
@@ -150,9 +158,13 @@ class EngineCore:
             start = r.num_computed_tokens
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
-            chunks.append(SeqChunk(r.all_token_ids[start : start + c.num_tokens], start, r.pages, c.samples))
+            tokens = r.all_token_ids[start : start + c.num_tokens]
+            chunks.append(SeqChunk(tokens, start, r.pages, c.samples, all_logits=r.needs_prompt_logits))
+            self.prompt_tokens_computed_total += max(0, min(start + c.num_tokens, r.num_prompt_tokens) - start)
         sampling = [c.request for c in sched.chunks if c.samples]
         logits = self.runner.execute(chunks)
+        if any(chunk.all_logits for chunk in chunks):
+            logits = self._collect_prompt_logprobs(chunks, [c.request for c in sched.chunks], logits)
         for c in sched.chunks:
             c.request.num_computed_tokens += c.num_tokens
             if c.num_tokens > 1:
@@ -177,6 +189,7 @@ class EngineCore:
             self.generation_tokens_total += 1
             status = self._check_stop(request, token_id)
             lp = sampled.logprobs[i] if sampled.logprobs else None
+            first = len(request.output_token_ids) == 1
             if status is not None:
                 self.requests.pop(request.request_id, None)
                 self.scheduler.finish(request, status)
@@ -189,10 +202,39 @@ class EngineCore:
                     stop_reason=request.stop_reason,
                     new_logprobs=[lp] if lp is not None else None,
                     num_cached_tokens=request.num_cached_tokens,
+                    prompt_logprobs=request.prompt_logprobs if first else None,
                 )
             )
         self._maybe_check_idle()
         return outputs
+
+    def _collect_prompt_logprobs(
+        self, chunks: list[SeqChunk], requests: list[Request], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Scores the prompt tokens of `all_logits` chunks; returns the sampling rows only.
+
+        The row of position q scores prompt token q + 1. Positions are filled in order: the prompt is
+        computed from 0 without the cache (see Scheduler._match_prefix), and a recompute after a
+        preemption skips the positions already scored. Such a chunk costs a [its tokens, vocab] fp32
+        logits tensor (400 MB for 2048 tokens of a 49k vocabulary), as in vLLM.
+        """
+        keep: list[int] = []
+        row = 0
+        for chunk, r in zip(chunks, requests):
+            n = len(chunk.token_ids) if chunk.all_logits else int(chunk.sample)
+            if chunk.all_logits and r.prompt_logprobs is not None:
+                done = len(r.prompt_logprobs) - 1  # positions already scored
+                if chunk.start > done:
+                    raise AssertionError(f"request {r.request_id!r}: prompt logprobs skipped positions")
+                stop = min(chunk.start + n, r.num_prompt_tokens - 1)
+                if stop > done:
+                    rows = logits[row + done - chunk.start : row + stop - chunk.start]
+                    targets = torch.tensor(r.prompt_token_ids[done + 1 : stop + 1])
+                    r.prompt_logprobs.extend(prompt_logprobs(rows, targets, r.params.prompt_logprobs or 0))
+            if chunk.sample:
+                keep.append(row + n - 1)
+            row += n
+        return logits[torch.tensor(keep, dtype=torch.long)]
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params
@@ -248,6 +290,7 @@ class EngineCore:
             "num_steps": self.num_steps,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "prompt_tokens_computed_total": self.prompt_tokens_computed_total,
             "prefix_cache_queries_tokens_total": queries,
             "prefix_cache_hit_tokens_total": hits,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,

@@ -13,6 +13,7 @@ from tokenmill.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.kvcache.radix_cache import RadixNode
+    from tokenmill.sample.logprobs import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -69,11 +70,26 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Requests with the same key have the same prompt and cache salt (n samples of one prompt, or
+    # identical prompts sent together): the scheduler admits them one prefill at a time, so the later
+    # ones find the prompt in the prefix cache instead of computing it again in the same step.
+    prefill_group: int | None = None
+    # params.prompt_logprobs: entry i scores prompt token i given the tokens before it; entry 0 is None
+    # (nothing precedes the first token). Filled chunk by chunk during the prefill.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # prompt + output in one list, so a step can slice the tokens it computes without concatenating.
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt positions still lack their logprobs: such a request computes its whole prompt
+        (a cached prefix has K/V but no logits) and its prefill chunks return logits for every row."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,11 @@ A waiting request is matched against the prefix cache when it is admitted (not w
 the tree changes while it waits, and a lock held in the queue would pin pages nobody computes with).
 It locks the matched path and starts at `num_computed_tokens` = the matched length.
 
+Requests with the same prompt (n samples of one prompt: same `prefill_group`) would all miss the
+cache if admitted in the same step. So while one of them is running and has full prompt pages still
+to compute, the others stay queued (requests behind them are admitted meanwhile); once its prefill
+is in the tree they match it and compute only the last partial page. The prompt is prefilled once.
+
 When pages run short the scheduler first evicts unlocked cached pages, and only then preempts the
 newest running request; a preempted request's full pages go into the tree (unlocked), so the next
 eviction can take them, or, if nobody needs them, its recompute is a cache hit. Admission is checked
@@ -84,10 +89,17 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(request, n))
             budget -= n
             i += 1
+        prefilling = self._prefilling_groups()
+        deferred: list[Request] = []
         # After a preemption memory is short: admitting more would only preempt again.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             first_admission = request.status == RequestStatus.WAITING
+            if first_admission and self._defer(request, prefilling):
+                # Its prompt is being computed by a sibling: admit it once that prefill is in the
+                # tree. The requests behind it need not wait for that.
+                deferred.append(self.waiting.popleft())
+                continue
             self._match_prefix(request)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.pages)
@@ -96,6 +108,8 @@ class Scheduler:
                 break
             request.pages.extend(self.pool.allocate(need))
             self.waiting.popleft()
+            if request.prefill_group is not None and self.cache is not None and self._shares_later(request):
+                prefilling.add(request.prefill_group)
             request.move_to(RequestStatus.RUNNING)
             self.running.append(request)
             if first_admission:
@@ -105,7 +119,24 @@ class Scheduler:
                     self.prefix_hit_tokens += request.num_computed_tokens
             out.chunks.append(ScheduledChunk(request, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
         return out
+
+    def _prefilling_groups(self) -> set[int]:
+        """Prefill groups with a running member whose shareable prompt pages are not all in the tree
+        yet (a chunk publishes its full pages after the step that computes it)."""
+        if self.cache is None:
+            return set()
+        return {r.prefill_group for r in self.running if r.prefill_group is not None and self._shares_later(r)}
+
+    def _shares_later(self, request: Request) -> bool:
+        # The full prompt pages a sibling could match (the last token is always recomputed).
+        shareable = (request.num_prompt_tokens - 1) // self.pool.page_size * self.pool.page_size
+        return request.num_computed_tokens < shareable
+
+    def _defer(self, request: Request, prefilling: set[int]) -> bool:
+        # A request that needs prompt logprobs computes its whole prompt anyway: no point waiting.
+        return request.prefill_group in prefilling and not request.needs_prompt_logits
 
     def _reserve(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         """Pages for `n` more tokens of `request`, evicting, then preempting the newest requests."""
@@ -132,8 +163,8 @@ class Scheduler:
 
     # ---- prefix cache ----------------------------------------------------------------------------
     def _match_prefix(self, request: Request) -> None:
-        if self.cache is None:
-            return
+        if self.cache is None or request.needs_prompt_logits:
+            return  # a request that needs prompt logprobs computes its whole prompt (vLLM does too)
         # A full hit must still compute the last known token (its logits sample the next one), and
         # only whole pages are shared: match at most num_tokens - 1, rounded down to a page.
         size = self.pool.page_size

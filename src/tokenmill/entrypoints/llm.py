@@ -125,13 +125,16 @@ class LLM:
     def _run(self, results: list[RequestOutput], params_list: list[SamplingParams], show_progress: bool) -> None:
         states: dict[str, tuple[RequestOutputState, CompletionOutput]] = {}
         logprobs: dict[str, list] = {}
+        cached: dict[str, int] = {}  # per prompt: the least any of its samples found in the cache
         try:
             for result, params in zip(results, params_list):
                 for k in range(params.n):
                     # n samples of one prompt are n engine requests; with a seed, sample k uses seed + k
-                    # (as vLLM does) so they differ yet stay reproducible.
+                    # (as vLLM does) so they differ yet stay reproducible. The engine prefills their
+                    # shared prompt once. Prompt logprobs are the prompt's: sample 0 computes them.
                     child = replace(params, n=1, seed=None if params.seed is None else params.seed + k,
-                                    output_kind=OutputKind.FINAL_ONLY)
+                                    output_kind=OutputKind.FINAL_ONLY,
+                                    prompt_logprobs=params.prompt_logprobs if k == 0 else None)
                     rid = f"{result.request_id}-{k}"
                     self.engine.add_request(rid, result.prompt_token_ids, child)
                     completion = CompletionOutput(k, "", [], None)
@@ -145,7 +148,12 @@ class LLM:
                 for out in self.engine.step():
                     state, completion = states[out.request_id]
                     parent = out.request_id.rsplit("-", 1)[0]
-                    by_id[parent].num_cached_tokens = max(by_id[parent].num_cached_tokens, out.num_cached_tokens)
+                    # The prompt counts once; its cached part is what was cached before it came, not
+                    # what its samples then share with each other (they report more).
+                    cached[parent] = min(cached.get(parent, out.num_cached_tokens), out.num_cached_tokens)
+                    by_id[parent].num_cached_tokens = cached[parent]
+                    if out.prompt_logprobs is not None:
+                        by_id[parent].prompt_logprobs = out.prompt_logprobs
                     if out.new_logprobs:
                         logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
                     delta = self._apply(state, out)

@@ -25,6 +25,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # params.prompt_logprobs: entry i scores prompt token i given the tokens before it; entry 0 is None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
