@@ -22,6 +22,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(variance + eps))
 
 
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # One kernel instead of five passes over x; rounding differs from transformers' in the last
+    # bits, so only fast mode uses it.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 class DecoderLayer:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, bf16_min_rows: int | None):
         def w(name: str) -> torch.Tensor:
@@ -29,6 +35,7 @@ class DecoderLayer:
 
         c = config
         self.eps = c.rms_norm_eps
+        self.norm = rms_norm if bf16_min_rows is None else fused_rms_norm
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         # q, k and v (and gate and up) share their input: one fused GEMM each instead of three/two.
         qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
@@ -46,20 +53,24 @@ class DecoderLayer:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
-    def forward(self, x, positions, rope, attention, k_cache, v_cache, meta):
+    def forward(self, x, cos, sin, attention, k_cache, v_cache, meta):
         t = x.shape[0]
-        h = rms_norm(x, self.input_norm, self.eps)
-        q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q, k = rope.apply(q, k, positions)
-        attn = attention.forward(q, k, v, k_cache, v_cache, meta)
+        norm = self.norm
+        h = norm(x, self.input_norm, self.eps)
+        qkv = self.qkv(h)
+        v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k heads side by side: RoPE in one pass over both (same arithmetic per element).
+            qk = qkv[:, : self.q_size + self.kv_size].reshape(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = RotaryEmbedding.apply(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = norm(qkv[:, : self.q_size].reshape(t, self.num_heads, self.head_dim), self.q_norm, self.eps)
+            k = norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, self.num_kv_heads, self.head_dim),
+                     self.k_norm, self.eps)
+            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        attn = attention.forward(q.contiguous(), k, v, k_cache, v_cache, meta)
         x = x + self.o_proj(attn)
-        h = rms_norm(x, self.post_norm, self.eps)
+        h = norm(x, self.post_norm, self.eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -93,9 +104,10 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rope.lookup(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer.forward(x, positions, self.rope, self.attention, k_cache, v_cache, meta)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+            x = layer.forward(x, cos, sin, self.attention, k_cache, v_cache, meta)
+        return self.layers[0].norm(x, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that sample; the sampler always sees fp32."""
