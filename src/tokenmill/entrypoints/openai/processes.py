@@ -42,8 +42,14 @@ class ChildProcesses:
         detokenizer = [sys.executable, "-m", "tokenmill.frontend.detokenizer_process", *common]
         if self.config.model:
             detokenizer += ["--model", self.config.model]
+        env = dict(os.environ)
+        # The engine's OpenMP threads spin at every barrier by default. Here they share the cores with
+        # the HTTP and detokenizer processes, which wake at every step: a spinning thread then steals
+        # the core its partner needs. Measured (fast mode, 2 threads, 64 decode rows, one competing
+        # busy process): 608 ms/step spinning vs 169 ms passive; 124 vs 174 ms on an idle machine.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         for name, cmd in (("scheduler", scheduler), ("detokenizer", detokenizer)):
-            self.procs[name] = subprocess.Popen(cmd)
+            self.procs[name] = subprocess.Popen(cmd, env=env)
             logger.info("started the %s process (pid %d)", name, self.procs[name].pid)
 
     async def watch(self, on_exit: Callable[[str, int], None]) -> None:
