@@ -237,12 +237,19 @@ class TokenizerManager:
                     raise InvalidRequest(f"a request parameter is out of range: {exc}") from exc
             left = len(rids)
             while left:
-                item = await queue.get()
-                if isinstance(item, RequestError):
-                    raise item
-                if item[1].finished:
-                    left -= 1
-                yield item
+                # A slow consumer (a client reading slowly) must not make the engine wait, and must not
+                # receive a backlog of tiny chunks either: whatever piled up is merged into one output
+                # per sequence before it is handed on.
+                pending = [await queue.get()]
+                while not queue.empty():
+                    pending.append(queue.get_nowait())
+                outputs, error = merge_pending(pending)
+                for item in outputs:
+                    if item[1].finished:
+                        left -= 1
+                    yield item
+                if error is not None:
+                    raise error
         finally:
             for rid in rids:
                 state = self._states.pop(rid, None)
@@ -334,3 +341,35 @@ class TokenizerManager:
         state = self._states.get(rid)
         if state is not None:
             state.queue.put_nowait(error)
+
+
+def merge_pending(
+    pending: list[tuple[int, TextOutput] | RequestError],
+) -> tuple[list[tuple[int, TextOutput]], RequestError | None]:
+    """Queued DELTA outputs merged per sequence (in order of first appearance), and the first error
+    queued among them, if any (what came before it is still delivered)."""
+    merged: dict[int, TextOutput] = {}
+    for item in pending:
+        if isinstance(item, RequestError):
+            return list(merged.items()), item
+        index, out = item
+        prev = merged.get(index)
+        merged[index] = out if prev is None else _merge(prev, out)
+    return list(merged.items()), None
+
+
+def _merge(a: TextOutput, b: TextOutput) -> TextOutput:
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return TextOutput(
+        request_id=b.request_id,
+        text=a.text + b.text,
+        token_ids=a.token_ids + b.token_ids,
+        finished=b.finished,
+        finish_reason=b.finish_reason,
+        stop_reason=b.stop_reason,
+        num_output_tokens=b.num_output_tokens,
+        logprobs=logprobs,
+        queue_time=a.queue_time if a.queue_time is not None else b.queue_time,
+        num_cached_tokens=b.num_cached_tokens,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+    )
