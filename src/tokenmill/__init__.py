@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputParams"]
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM
-    from tokenmill.sample.sampling_params import SamplingParams
+    from tokenmill.sample.sampling_params import SamplingParams, StructuredOutputParams
 
 
 def __getattr__(name: str) -> Any:
@@ -17,8 +17,8 @@ def __getattr__(name: str) -> Any:
         from tokenmill.entrypoints.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from tokenmill.sample.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputParams"):
+        from tokenmill.sample import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(name)

@@ -85,7 +85,10 @@ def test_echo_with_logprobs_scores_the_prompt():
     [
         (lambda: chat(top_logprobs=2), "top_logprobs"),
         (lambda: chat(logprobs=True, top_logprobs=21), "logprobs"),
-        (lambda: chat(response_format={"type": "json_object"}), "response_format"),
+        (lambda: chat(response_format={"type": "yaml"}), "response_format"),
+        (lambda: chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),
+        (lambda: completion(guided_choice=[]), "guided_choice"),
+        (lambda: completion(guided_json={"type": "object"}, guided_regex="a"), "guided_regex"),
         (lambda: chat(tool_choice="required"), "tool_choice"),
         (lambda: completion(temperature=-1), "temperature"),
         (lambda: completion(top_p=0), "top_p"),

@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,6 +72,11 @@ class EngineCore:
         # Prompt positions actually run through the model (recomputes included, cache hits not):
         # what prefix sharing saves shows here.
         self.prompt_tokens_computed_total = 0
+        # Structured output: the grammar manager (xgrammar, loaded on the first constrained request),
+        # compiled grammars still on their way, and each constrained request's matcher.
+        self._grammar: Any = None
+        self._grammar_pending: dict[str, Future[Any]] = {}
+        self._matchers: dict[str, Any] = {}
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(
@@ -116,6 +123,9 @@ class EngineCore:
                 f"({capacity} tokens); raise kv_cache_tokens or lower max_tokens",
                 param="max_tokens",
             )
+        if params.structured_output is not None:
+            # Parsed now (a bad schema raises here, before queueing); compiled in the background.
+            self._grammar_pending[request_id] = self.grammar_manager().submit(params.structured_output)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         request = Request(request_id, list(prompt_token_ids), params, max_tokens, generator, cache_salt)
         # Same prompt and salt, same group: the scheduler prefills such requests once (n > 1).
@@ -134,6 +144,7 @@ class EngineCore:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        self._drop_grammar(request_id)
         request.stop_reason = stop_reason
         self.scheduler.finish(request, status)
         self._maybe_check_idle()
@@ -141,6 +152,55 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> bool:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- structured output -------------------------------------------------------------------
+    def grammar_manager(self) -> Any:
+        if self._grammar is None:
+            from tokenmill.model.default_model import default_model_path
+            from tokenmill.sample.grammar import GrammarManager, xgrammar_backend
+
+            try:
+                import xgrammar  # noqa: F401
+            except ImportError:
+                raise InvalidRequest(
+                    "structured output needs xgrammar: pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi",
+                    param="response_format",
+                ) from None
+            path = self.config.model or default_model_path()
+            stops = tuple(sorted(self.eos_token_ids))
+            self._grammar = GrammarManager(lambda: xgrammar_backend(path, self.vocab_size, stops))
+        return self._grammar
+
+    def _matcher(self, request: Request) -> Any:
+        """The request's matcher, created when it first samples (its grammar compiled meanwhile)."""
+        rid = request.request_id
+        m = self._matchers.get(rid)
+        if m is None:
+            m = self._matchers[rid] = self._grammar.matcher(self._grammar_pending.pop(rid))
+        return m
+
+    def _resolve_matchers(self, sampling: list[Request]) -> tuple[list[Any], list[EngineOutput]]:
+        """Per row: a matcher, None (free row) or False (its grammar failed to compile: aborted)."""
+        matchers: list[Any] = []
+        failed: list[EngineOutput] = []
+        for r in sampling:
+            if r.params.structured_output is None:
+                matchers.append(None)
+                continue
+            try:
+                matchers.append(self._matcher(r))
+            except Exception:  # parsing passed, so this is xgrammar's own failure; do not kill the step
+                logger.exception("request %s: grammar compilation failed; aborting it", r.request_id)
+                matchers.append(False)
+                self.requests.pop(r.request_id, None)
+                self._drop_grammar(r.request_id)
+                self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+                failed.append(EngineOutput(r.request_id, [], finished=True, finish_reason=r.finish_reason))
+        return matchers, failed
+
+    def _drop_grammar(self, request_id: str) -> None:
+        self._grammar_pending.pop(request_id, None)
+        self._matchers.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -173,21 +233,46 @@ class EngineCore:
                 self.scheduler.cache_computed(c.request)
         if not sampling:
             return []
+        matchers = None
+        failed: list[EngineOutput] = []
+        if self._matchers or self._grammar_pending:
+            matchers, failed = self._resolve_matchers(sampling)
+            if failed:  # drop the rows of requests whose grammar failed to compile
+                keep = [i for i, m in enumerate(matchers) if m is not False]
+                logits = logits[torch.tensor(keep, dtype=torch.long)]
+                sampling = [sampling[i] for i in keep]
+                matchers = [matchers[i] for i in keep]
+                if not sampling:
+                    self._maybe_check_idle()
+                    return failed
         batch = SamplingBatch(
             params=[r.params for r in sampling],
             generators=[r.generator for r in sampling],
             prompt_token_ids=[r.prompt_token_ids for r in sampling],
             output_token_ids=[r.output_token_ids for r in sampling],
+            matchers=matchers,
         )
         sampled = self.sampler(logits, batch)
         token_ids = sampled.token_ids.tolist()
-        outputs = []
+        outputs = failed
         for i, (request, token_id) in enumerate(zip(sampling, token_ids)):
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             request.append_output(token_id)
             self.generation_tokens_total += 1
             status = self._check_stop(request, token_id)
+            matcher = matchers[i] if matchers is not None else None
+            if matcher is not None:
+                # The mask allowed only tokens the grammar accepts, so a refusal means the mask was
+                # overridden (min_tokens hiding the only legal EOS): stop rather than run off-grammar.
+                if not matcher.accept_token(token_id):
+                    logger.warning("request %s: token %d refused by its grammar; stopping", request.request_id, token_id)
+                    status = status or RequestStatus.FINISHED_STOPPED
+                elif matcher.is_terminated():
+                    # EOS was the only legal token (ignore_eos or not): the structure is complete.
+                    status = status or RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                self._drop_grammar(request.request_id)
             lp = sampled.logprobs[i] if sampled.logprobs else None
             first = len(request.output_token_ids) == 1
             if status is not None:

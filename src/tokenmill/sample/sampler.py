@@ -1,6 +1,9 @@
 """Turns one step's logits into tokens, with vLLM (v1) semantics.
 
 Processor order, per row:
+  0. grammar (structured output): tokens the row's grammar forbids -> -inf, first, so every step below
+     (penalties, top_k/top_p, the draw) works on the allowed tokens only; EOS passes only where the
+     grammar may end.
   1. min_tokens: while len(output) < min_tokens, EOS ids and stop_token_ids -> -inf (also with ignore_eos,
      as vLLM does).
   2. bad_words_token_ids -> -inf.
@@ -102,6 +105,10 @@ class Sampler:
         if plan.needs_processing:
             # The caller's logits stay raw: logprobs need them, and the caller may reuse them.
             x = self._buffer("processed", logits).copy_(logits)
+            if plan.constrained:
+                from tokenmill.sample.grammar import apply_grammar_masks  # xgrammar only when used
+
+                apply_grammar_masks(x, batch.matchers or [])
             self._processors(x, batch, plan)
         if not plan.random:
             token_ids = fast_argmax(x)

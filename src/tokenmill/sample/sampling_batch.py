@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +22,9 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     prompt_token_ids: list[list[int]]  # per row
     output_token_ids: list[list[int]]  # per row: tokens generated BEFORE this step
+    # Per row: the request's grammar matcher (sample/grammar.py) or None for a free row; None for the
+    # whole field when no row is constrained (callers without structured output need not know it).
+    matchers: Sequence[Any | None] | None = None
 
     def __len__(self) -> int:
         return len(self.params)
@@ -36,14 +41,17 @@ class BatchPlan:
     logit_bias: list[int]
     penalties: list[int]
     logprobs: list[int]
+    constrained: list[int]  # rows with a grammar matcher
 
     @property
     def needs_processing(self) -> bool:
-        return bool(self.min_tokens or self.bad_words or self.logit_bias or self.penalties)
+        return bool(self.min_tokens or self.bad_words or self.logit_bias or self.penalties or self.constrained)
 
 
 def plan_batch(batch: SamplingBatch) -> BatchPlan:
-    plan = BatchPlan([], [], [], [], [], [], [])
+    plan = BatchPlan([], [], [], [], [], [], [], [])
+    if batch.matchers is not None:
+        plan.constrained = [i for i, m in enumerate(batch.matchers) if m is not None]
     for i, p in enumerate(batch.params):
         (plan.greedy if p.temperature < GREEDY_EPS else plan.random).append(i)
         if p.min_tokens and len(batch.output_token_ids[i]) < p.min_tokens:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.errors import InvalidRequest
 
@@ -16,6 +18,60 @@ class OutputKind(enum.Enum):
     DELTA = "delta"  # only what is new since the last output
     CUMULATIVE = "cumulative"  # everything so far, every time
     FINAL_ONLY = "final_only"  # one output when the request finishes
+
+
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """Exactly one constraint; the engine compiles it to a grammar (sample/grammar.py).
+
+    `param` is the request field it came from ("response_format", "guided_json", ...), so an error found
+    while compiling names what the client actually sent.
+    """
+
+    json_schema: dict[str, Any] | str | None = None
+    json_object: bool = False  # any JSON object (OpenAI's response_format {"type": "json_object"})
+    regex: str | None = None
+    grammar: str | None = None  # EBNF (GBNF-style, as xgrammar and vLLM's guided_grammar take it)
+    choice: list[str] | None = None
+    param: str = "structured_output"
+
+    def __post_init__(self) -> None:
+        def bad(why: str) -> InvalidRequest:
+            return InvalidRequest(f"{self.param} {why}", param=self.param)
+
+        given = [n for n in ("json_schema", "regex", "grammar", "choice") if getattr(self, n) is not None]
+        if not isinstance(self.json_object, bool):
+            raise bad(f"json_object must be a bool, got {self.json_object!r}")
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise bad(f"needs exactly one of json_schema, json_object, regex, grammar, choice; got {given or 'none'}")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
+            raise bad(f"json_schema must be an object or a string, got {type(self.json_schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(f"{name} must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise bad("choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json_schema", "regex", "grammar", "choice") if getattr(self, n) is not None)
+
+    def cache_key(self) -> tuple[str, str]:
+        """Hashable and canonical (a schema dict with its keys in another order is the same schema)."""
+        kind = self.kind
+        if kind == "json_object":
+            return kind, ""
+        value = getattr(self, kind)
+        if isinstance(value, str):
+            return kind, value
+        return kind, json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass
@@ -43,6 +99,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
     stream_interval: int = 1
+    # Constrained decoding (JSON schema, regex, EBNF, choice); None: free text.
+    structured_output: StructuredOutputParams | None = None
     # Filled by validation: stop as a list, for the code that checks it.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -112,6 +170,8 @@ class SamplingParams:
                 raise bad(name, "must be a list of token ids >= 0")
         if not _is_int(self.stream_interval) or self.stream_interval < 1:
             raise bad("stream_interval", f"must be an integer >= 1, got {self.stream_interval!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):
+            raise bad("structured_output", "must be a StructuredOutputParams")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Token ids can only be checked once the model (its vocabulary) is known."""

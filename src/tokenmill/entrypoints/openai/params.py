@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tokenmill.errors import InvalidRequest
-from tokenmill.sample.sampling_params import OutputKind, SamplingParams
+from tokenmill.sample.sampling_params import OutputKind, SamplingParams, StructuredOutputParams
 
 # n samples become n engine requests; more than this is a typo or an attack, not a use case.
 MAX_N = 128
@@ -22,11 +22,6 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise InvalidRequest(
-            f"response_format {req.response_format.get('type')!r} is not supported yet (no grammar-constrained "
-            "decoding); only 'text'", param="response_format",
-        )
     if req.prompt_logprobs is not None:
         raise InvalidRequest("prompt_logprobs is supported on /v1/completions only", param="prompt_logprobs")
     if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "none", "auto"):
@@ -88,7 +83,42 @@ def _common(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         output_kind=OutputKind.DELTA,
+        structured_output=structured_output(req),
     )
+
+
+def structured_output(req: SamplingFields) -> StructuredOutputParams | None:
+    """response_format / guided_* -> one constraint; a bad schema is found later by the engine's parse,
+    which still answers 400 before the request is queued."""
+    given: list[tuple[str, StructuredOutputParams]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            given.append(("response_format", StructuredOutputParams(json_object=True, param="response_format")))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, str)):
+                raise InvalidRequest(
+                    "response_format of type 'json_schema' needs json_schema.schema (a JSON Schema object)",
+                    param="response_format",
+                )
+            given.append(("response_format", StructuredOutputParams(json_schema=schema, param="response_format")))
+        elif kind != "text":
+            raise InvalidRequest(
+                f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                param="response_format",
+            )
+    for name, field in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                        ("guided_grammar", "grammar"), ("guided_choice", "choice")):
+        value = getattr(req, name)
+        if value is not None:
+            given.append((name, StructuredOutputParams(**{field: value}, param=name)))
+    if len(given) > 1:
+        names = ", ".join(n for n, _ in given)
+        raise InvalidRequest(f"give at most one structured-output constraint, got {names}", param=given[1][0])
+    return given[0][1] if given else None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -51,6 +51,12 @@ class SamplingFields(BaseModel):
     spaces_between_special_tokens: bool | None = True
     cache_salt: str | None = None
     prompt_logprobs: Int64 | None = None
+    # Structured output: OpenAI's response_format, or vLLM's guided_* fields (at most one of them all).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # EBNF
+    guided_choice: list[str] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -63,7 +69,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
 
