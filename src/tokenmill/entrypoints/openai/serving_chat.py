@@ -21,7 +21,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     SSE_HEADERS,
     Choice,
     ClientDisconnected,
-    TokenTexts,
+    ServingBase,
     chat_logprobs,
     check_model,
     disconnected_response,
@@ -33,22 +33,11 @@ from tokenmill.entrypoints.openai.serving_common import (
     unless_disconnected,
     usage,
 )
-from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
+from tokenmill.frontend.tokenizer_manager import RequestError, Seq, child_params
 from tokenmill.ipc.messages import TextOutput
 
 
-class ChatServing:
-    def __init__(self, manager: TokenizerManager) -> None:
-        self.manager = manager
-        self._texts: TokenTexts | None = None
-
-    @property
-    def texts(self) -> TokenTexts:
-        if self._texts is None:
-            assert self.manager.tokenizer is not None
-            self._texts = TokenTexts(self.manager.tokenizer)
-        return self._texts
-
+class ChatServing(ServingBase):
     async def create(self, raw: Request) -> Response:
         arrival = time.monotonic()
         req = await parse_body(raw, ChatCompletionRequest)

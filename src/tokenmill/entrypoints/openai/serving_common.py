@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from tokenmill.entrypoints.openai.errors import error_body, validation_message
 from tokenmill.frontend.tokenizer import Tokenizer
-from tokenmill.frontend.tokenizer_manager import RequestError
+from tokenmill.frontend.tokenizer_manager import RequestError, TokenizerManager
 from tokenmill.ipc.messages import Logprob, TextOutput
 
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -137,6 +137,22 @@ class TokenTexts:
         if text is None:
             text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+
+class ServingBase:
+    """What the chat and completion handlers share: the manager, and token texts built lazily
+    (the tokenizer exists only once the scheduler is up)."""
+
+    def __init__(self, manager: TokenizerManager) -> None:
+        self.manager = manager
+        self._texts: TokenTexts | None = None
+
+    @property
+    def texts(self) -> TokenTexts:
+        if self._texts is None:
+            assert self.manager.tokenizer is not None
+            self._texts = TokenTexts(self.manager.tokenizer)
+        return self._texts
 
 
 def chat_logprobs(items: list[Logprob], texts: TokenTexts) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     SSE_HEADERS,
     Choice,
     ClientDisconnected,
-    TokenTexts,
+    ServingBase,
     check_model,
     completion_logprobs,
     concat_logprobs,
@@ -42,7 +42,7 @@ from tokenmill.entrypoints.openai.serving_common import (
 )
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.tokenizer import Tokenizer
-from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
+from tokenmill.frontend.tokenizer_manager import RequestError, Seq, child_params
 from tokenmill.ipc.messages import Logprob, TextOutput
 from tokenmill.sample.sampling_params import SamplingParams
 
@@ -68,18 +68,7 @@ class _Job:
         return sum(len(ids) for _, ids in self.prompts)
 
 
-class CompletionServing:
-    def __init__(self, manager: TokenizerManager) -> None:
-        self.manager = manager
-        self._texts: TokenTexts | None = None
-
-    @property
-    def texts(self) -> TokenTexts:
-        if self._texts is None:
-            assert self.manager.tokenizer is not None
-            self._texts = TokenTexts(self.manager.tokenizer)
-        return self._texts
-
+class CompletionServing(ServingBase):
     async def create(self, raw: Request) -> Response:
         arrival = time.monotonic()
         req = await parse_body(raw, CompletionRequest)
