@@ -22,6 +22,8 @@ _cached_load = functools.lru_cache(maxsize=2)(load_weights)
 
 def make_llm(**engine_args) -> LLM:
     engine_args.setdefault("num_threads", 2)
+    # The end-to-end tests compare with transformers' fp32 output: exact unless a test says otherwise.
+    engine_args.setdefault("precision", "exact")
     mp = pytest.MonkeyPatch()
     mp.setattr(factory, "load_weights", _cached_load)
     try:

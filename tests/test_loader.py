@@ -23,13 +23,16 @@ from tokenmill.model import default_model
 from tokenmill.model.default_model import default_model_path
 from tokenmill.model.hf_loader import read_config
 from tokenmill.model.loader import load_weights
+from tokenmill.model.quant import QuantizedWeight
 
 
-def assert_same_tensors(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+def assert_same_tensors(ours: dict, theirs: dict[str, torch.Tensor]) -> None:
+    """Same names and values; a matrix kept quantized must dequantize to exactly the reference's fp32."""
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():
-        assert ours[name].dtype == torch.float32 and ours[name].is_contiguous(), name
-        assert torch.equal(ours[name], tensor.to(torch.float32)), name
+        mine = ours[name].dequantize() if isinstance(ours[name], QuantizedWeight) else ours[name]
+        assert mine.dtype == torch.float32 and mine.is_contiguous(), name
+        assert torch.equal(mine, tensor.to(torch.float32)), name
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -167,10 +167,11 @@ def _llamacpp_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_tiny_gguf(folder: Path, out: Path) -> Path:
+def write_tiny_gguf(folder: Path, out: Path, quant: str | None = None) -> Path:
     """Convert a tiny HF folder to GGUF like llama.cpp does (q/k permutation for llama, rope_freqs for llama3).
 
-    Embeddings go in as F16 (exercising a non-F32 path), everything else as F32.
+    Embeddings go in as F16 (exercising a non-F32 path), everything else as F32; with `quant`
+    ("Q4_0", "Q4_1", "Q8_0") every matrix, the embedding included, is stored in that type instead.
     """
     import gguf
 
@@ -199,6 +200,11 @@ def write_tiny_gguf(folder: Path, out: Path) -> Path:
         w = tensor.numpy()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             w = _llamacpp_permute(w, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
+        if quant is not None and w.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quant]
+            data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
+            writer.add_tensor(_gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
+            continue
         w = w.astype(np.float16) if name == "model.embed_tokens.weight" else w.astype(np.float32)
         writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
     writer.write_header_to_file()

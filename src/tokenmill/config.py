@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, fields
 
 from tokenmill.errors import InvalidRequest
+from tokenmill.model.layers.factory import QUANTIZATIONS
 
 PRECISIONS = ("exact", "fast")
 
@@ -22,9 +23,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decode rows)
     max_num_seqs: int = 128  # running requests at most
     max_model_len: int | None = None  # None: the model's context length
-    # exact: fp32 everywhere (token-identical to transformers); fast: bf16 for GEMMs with at least
-    # `bf16_min_rows` rows, fp32 for everything else (see model/linear.py for why).
-    precision: str = "exact"
+    # exact: fp32 everywhere (token-identical to transformers). fast (default, what llama.cpp users
+    # expect): a GGUF's Q4_0/Q4_1/Q8_0 weights stay quantized and run in the CPU kernel; dense weights
+    # use bf16 GEMMs from `bf16_min_rows` rows (model/layers/).
+    precision: str = "fast"
+    # fast only. auto: keep the file's quantized weights as they are; none: dequantize them (dense
+    # fast path); int8 / int4: also quantize dense weights at load (vLLM's --quantization).
+    quantization: str = "auto"
     # Measured (2 threads, SmolLM2 shapes): bf16 GEMMs win from ~4 rows on (16 rows: 0.33 vs 0.55 ms
     # for gate_up); below that the layers are a wash, but the 49152-row lm_head is 3x faster in bf16
     # even for one row, so the lm_head ignores this threshold (model/llama.py).
@@ -45,6 +50,15 @@ class EngineConfig:
             raise InvalidRequest("kv_cache_tokens must hold at least one page", param="kv_cache_tokens")
         if self.precision not in PRECISIONS:
             raise InvalidRequest(f"precision must be one of {PRECISIONS}, got {self.precision!r}", param="precision")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequest(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}", param="quantization"
+            )
+        if self.precision == "exact" and self.quantization in ("int8", "int4"):
+            raise InvalidRequest(
+                f"quantization {self.quantization!r} needs precision 'fast' (exact computes the file's own "
+                "weights in fp32)", param="quantization",
+            )
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidRequest("enable_prefix_caching must be true or false", param="enable_prefix_caching")
         if self.max_model_len is not None and self.max_model_len < 1:

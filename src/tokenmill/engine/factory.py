@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.model.layers.factory import LayerPolicy
 from tokenmill.model.loader import load_weights
 from tokenmill.model.registry import model_class
 from tokenmill.model.runner import ModelRunner
@@ -22,8 +23,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     loaded = load_weights(config.model)
     mc = loaded.config
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    bf16_min_rows = config.bf16_min_rows if config.precision == "fast" else None
-    model = model_class(mc.architecture)(mc, loaded.weights, max_model_len, bf16_min_rows=bf16_min_rows)
+    policy = LayerPolicy(config.precision, config.quantization, config.bf16_min_rows)
+    model = model_class(mc.architecture)(mc, loaded.weights, max_model_len, policy=policy)
     runner = ModelRunner(model, config.num_pages, config.page_size)
     core = EngineCore(config, runner, mc.vocab_size, mc.eos_token_ids, max_model_len)
     logger.info(
@@ -31,4 +32,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         loaded.source, mc.architecture, mc.num_layers, time.monotonic() - start,
         config.num_pages, config.page_size, config.precision, config.threads,
     )
+    for line in model.describe():
+        logger.info("layers %s", line)
+    logger.info("weights in memory: %.1f MB", model.weight_bytes() / 1e6)
     return core

@@ -1,4 +1,8 @@
-"""Reads a llama.cpp GGUF file: metadata into ModelConfig, every tensor dequantized to fp32 with HF names."""
+"""Reads a llama.cpp GGUF file: metadata into ModelConfig, tensors with HF names.
+
+Q4_0, Q4_1 and Q8_0 matrices stay quantized (`QuantizedWeight`, about the file's size in memory); the
+model dequantizes them to fp32 only for the exact path. Every other type is dequantized to fp32 here.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from gguf.quants import dequantize
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.quant import NATIVE_GGUF_TYPES, QuantizedWeight, from_gguf_blocks
 
 GGUF_MAGIC = b"GGUF"
 
@@ -45,7 +50,7 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
     _check_magic(path)
     try:
         reader = GGUFReader(path)
@@ -56,13 +61,25 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         supported = ", ".join(sorted(ARCHITECTURES))
         raise ModelLoadError(path, f"unsupported architecture {arch!r} (supported: {supported})")
     config = _config(reader, path, arch)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     rope_freqs = None
     for tensor in reader.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if tensor.tensor_type.name in NATIVE_GGUF_TYPES and len(shape) == 2 and tensor.name != _ROPE_FREQS:
+            name = _hf_name(tensor.name, path)
+            try:
+                qw = from_gguf_blocks(tensor.tensor_type.name, tensor.data, shape)
+            except Exception as e:
+                raise ModelLoadError(path, f"cannot read tensor {tensor.name!r} ({type(e).__name__}: {e})") from e
+            if arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
+                heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+                qw = qw.rows(torch.from_numpy(_unpermute_rows(np.arange(shape[0]), heads).copy()))
+            weights[name] = qw
+            continue
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
             # GGUF lists dims fastest-first; numpy wants them slowest-first.
-            array = array.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
+            array = array.reshape(shape)
         except Exception as e:
             raise ModelLoadError(path, f"cannot read tensor {tensor.name!r} ({type(e).__name__}: {e})") from e
         if tensor.name == _ROPE_FREQS:

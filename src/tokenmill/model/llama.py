@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from tokenmill.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.linear import Linear
+from tokenmill.model.kernels import fused_ops
+from tokenmill.model.layers.factory import LayerPolicy, make_embedding, make_linear
 from tokenmill.model.rope import RotaryEmbedding
 
 
@@ -29,23 +30,23 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 class DecoderLayer:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, bf16_min_rows: int | None):
-        def w(name: str) -> torch.Tensor:
+    def __init__(self, config: ModelConfig, weights: dict, prefix: str, policy: LayerPolicy):
+        def w(name: str):
             return weights[prefix + name]
 
         c = config
         self.eps = c.rms_norm_eps
-        self.norm = rms_norm if bf16_min_rows is None else fused_rms_norm
+        self.norm = rms_norm if policy.precision == "exact" else fused_rms_norm
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         # q, k and v (and gate and up) share their input: one fused GEMM each instead of three/two.
-        qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
+        qkv = [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]
         qkv_bias = None
         if c.attention_bias:
             qkv_bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
-        self.qkv = Linear(qkv, qkv_bias, bf16_min_rows)
-        self.o_proj = Linear(w("self_attn.o_proj.weight"), None, bf16_min_rows)
-        self.gate_up = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, bf16_min_rows)
-        self.down = Linear(w("mlp.down_proj.weight"), None, bf16_min_rows)
+        self.qkv = make_linear(qkv, qkv_bias, policy)
+        self.o_proj = make_linear([w("self_attn.o_proj.weight")], None, policy)
+        self.gate_up = make_linear([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], None, policy)
+        self.down = make_linear([w("mlp.down_proj.weight")], None, policy)
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         self.q_norm = w("self_attn.q_norm.weight") if c.qk_norm else None
@@ -74,28 +75,41 @@ class DecoderLayer:
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
+    def forward_fused(self, x, h, cos, sin, attention, k_cache, v_cache, meta) -> torch.Tensor:
+        """Fast path with the fused C++ steps: `h` is this layer's normed input; adds the attention
+        output to `x` in place and returns the MLP output, which the caller adds to `x` together with
+        the next norm (one pass instead of two)."""
+        t = x.shape[0]
+        qkv = self.qkv(h)
+        q, k = fused_ops.rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        attn = attention.forward(q, k, v, k_cache, v_cache, meta)
+        h = fused_ops.add_rms_norm_(x, self.o_proj(attn), self.post_norm, self.eps)
+        return self.down(fused_ops.silu_mul(self.gate_up(h)))
+
 
 class LlamaForCausalLM:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict,
         max_positions: int,
-        bf16_min_rows: int | None = None,
+        policy: LayerPolicy | None = None,
         attention: AttentionBackend | None = None,
     ) -> None:
         self.config = config
-        self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.layers = [
-            DecoderLayer(config, weights, f"model.layers.{i}.", bf16_min_rows) for i in range(config.num_layers)
-        ]
+        policy = policy or LayerPolicy()
+        # Prepared once: with tied embeddings the lm_head shares it (one copy in memory).
+        embed = policy.prepare(weights["model.embed_tokens.weight"])
+        self.embed_tokens = make_embedding(embed, policy)
+        self.layers = [DecoderLayer(config, weights, f"model.layers.{i}.", policy) for i in range(config.num_layers)]
         self.norm = weights["model.norm.weight"]
-        lm_head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
-        # The lm_head is the one big matrix-vector product: bf16 halves the bytes read and measured
-        # 3x faster than fp32 even for a single row, so fast mode always uses it.
-        self.lm_head = Linear(lm_head, None, None if bf16_min_rows is None else 1)
+        lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = make_linear([lm_head], None, policy, lm_head=True)
         self.rope = RotaryEmbedding(config, max_positions)
         self.attention = attention or TorchPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        # Fast mode runs the elementwise steps fused in C++ where it can (not for q/k norms, qwen3).
+        self.fused = policy.precision == "fast" and not config.qk_norm and fused_ops.available()
 
     def forward(
         self,
@@ -105,11 +119,50 @@ class LlamaForCausalLM:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed_tokens(input_ids)
         cos, sin = self.rope.lookup(positions)
+        if self.fused:
+            eps = self.config.rms_norm_eps
+            h = fused_rms_norm(x, self.layers[0].input_norm, eps)
+            norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+            for layer, (k_cache, v_cache), next_norm in zip(self.layers, kv_caches, norms):
+                delta = layer.forward_fused(x, h, cos, sin, self.attention, k_cache, v_cache, meta)
+                h = fused_ops.add_rms_norm_(x, delta, next_norm, eps)
+            return h
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, self.attention, k_cache, v_cache, meta)
         return self.layers[0].norm(x, self.norm, self.config.rms_norm_eps)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights the model holds (shared tensors, e.g. tied embeddings, counted once)."""
+        seen: dict[int, int] = {}
+
+        def add(obj) -> None:
+            if obj is None:
+                return
+            if isinstance(obj, torch.Tensor):
+                seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+                return
+            for name in ("weight", "weight_bf16", "bias", "codes", "scales", "mins", "parts"):
+                value = getattr(obj, name, None)
+                for item in value if isinstance(value, list) else [value]:
+                    add(item)
+
+        add(self.embed_tokens)
+        add(self.lm_head)
+        add(self.norm)
+        for layer in self.layers:
+            for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.input_norm, layer.post_norm,
+                         layer.q_norm, layer.k_norm):
+                add(part)
+        return sum(seen.values())
+
+    def describe(self) -> list[str]:
+        """What each kind of layer runs as (logged at start-up)."""
+        first = self.layers[0]
+        parts = {"qkv": first.qkv, "o_proj": first.o_proj, "gate_up": first.gate_up, "down": first.down,
+                 "lm_head": self.lm_head}
+        return [f"{name}: {layer.describe()}" for name, layer in parts.items()]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that sample; the sampler always sees fp32."""

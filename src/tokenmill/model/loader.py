@@ -1,4 +1,8 @@
-"""Turns a model path (GGUF file or Hugging Face folder) into fp32 tensors with Hugging Face llama names."""
+"""Turns a model path (GGUF file or Hugging Face folder) into tensors with Hugging Face llama names.
+
+Tensors are fp32, except GGUF matrices of a type the CPU kernel reads directly (Q4_0, Q4_1, Q8_0),
+which stay quantized as `QuantizedWeight`s; model/layers decides per precision what to run them as.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +17,15 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.default_model import default_model_path
 from tokenmill.model.gguf_loader import GGUF_MAGIC, load_gguf
 from tokenmill.model.hf_loader import load_hf
+from tokenmill.model.quant import QuantizedWeight
 
 
 @dataclass
 class LoadedWeights:
     config: ModelConfig
     # fp32, contiguous, Hugging Face llama names; `lm_head.weight` only when embeddings are not tied.
-    weights: dict[str, torch.Tensor]
+    # GGUF Q4_0/Q4_1/Q8_0 matrices are QuantizedWeights (their `dequantize()` gives gguf's fp32 values).
+    weights: dict[str, torch.Tensor | QuantizedWeight]
     source: str
     kind: Literal["gguf", "hf"]
 
@@ -82,7 +88,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight], source: str) -> None:
     """Refuse a checkpoint that does not match its config, before a matmul fails somewhere deep.
 
     Unexpected tensors are refused too (e.g. an o_proj or mlp bias): the model would silently ignore

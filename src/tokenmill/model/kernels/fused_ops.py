@@ -1,0 +1,45 @@
+"""Wrapper of the fused elementwise ops of the fast path (csrc/fused_ops.cpp), built on first use.
+
+`available()` is False where the extension cannot be built (or TOKENMILL_DISABLE_CPU_KERNEL=1): the
+model then runs the same steps as separate PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from tokenmill.model.cpu_attention_kernel import disabled
+from tokenmill.model.kernels.cpp_build import load_extension
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_state: bool | None = None
+
+
+def available() -> bool:
+    if disabled():
+        return False
+    global _state
+    if _state is None:
+        with _lock:
+            if _state is None:
+                _state = load_extension("fused_ops", "CPU fused-ops kernel", logger)
+    return _state
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int):
+    """(q [T, nq, D], k [T, nkv, D]) with RoPE applied, from the fused q/k/v projection output."""
+    return torch.ops.tokenmill_fused.rope_qk(qkv, cos, sin, nq, nkv)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return torch.ops.tokenmill_fused.silu_mul(gate_up)
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place; returns RMSNorm(x) * weight."""
+    return torch.ops.tokenmill_fused.add_rms_norm_(x, delta, weight, eps)

@@ -1,0 +1,51 @@
+"""Wrapper of the C++ quantized-linear kernel (csrc/quant_linear.cpp), built on first use.
+
+`linear` multiplies fp32 activations with a QuantizedWeight without ever materialising the dense
+matrix; `dequantize` turns one into a dense fp32 or bf16 matrix quickly (for large batches, where a
+oneDNN GEMM over a just-dequantized bf16 copy beats any matrix-vector kernel). When the extension
+cannot be built, `available()` is False and model/layers/quantized_linear.py falls back to PyTorch.
+TOKENMILL_DISABLE_CPU_KERNEL=1 disables it, like the attention kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from tokenmill.model.cpu_attention_kernel import disabled
+from tokenmill.model.kernels.cpp_build import load_extension
+from tokenmill.model.quant import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_state: bool | None = None
+_EMPTY = torch.empty(0, dtype=torch.float16)
+
+
+def available() -> bool:
+    if disabled():
+        return False
+    global _state
+    if _state is None:
+        with _lock:
+            if _state is None:
+                _state = load_extension("quant_linear", "CPU quantized-linear kernel", logger)
+    return _state
+
+
+def linear(x: torch.Tensor, w: QuantizedWeight, isa: int = -1) -> torch.Tensor:
+    """x [M, K] float32 @ w.T -> [M, N] float32. isa (tests): at most 0 portable, 1 AVX2, 2 AVX-512."""
+    mins = _EMPTY if w.mins is None else w.mins
+    return torch.ops.tokenmill_quant.linear(x, w.codes, w.scales, mins, w.bits, isa)
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    mins = _EMPTY if w.mins is None else w.mins
+    return torch.ops.tokenmill_quant.dequantize(w.codes, w.scales, mins, w.bits, w.shape[1], dtype == torch.bfloat16)
+
+
+def best_isa() -> int:
+    return torch.ops.tokenmill_quant.best_isa()

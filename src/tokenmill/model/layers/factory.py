@@ -1,0 +1,89 @@
+"""Chooses what each linear and embedding runs as, from its weights and the engine's precision.
+
+- exact: everything dense fp32 (quantized GGUF matrices dequantized with gguf's arithmetic), so
+  greedy output is token-identical to transformers.
+- fast: quantized weights stay quantized (QuantizedLinear); dense weights run as DenseLinear with a
+  bf16 copy for GEMMs of at least `bf16_min_rows` rows, or are quantized at load when `quantization`
+  is int8 / int4 (vLLM's flag, for Hugging Face checkpoints). quantization "none" dequantizes a GGUF's
+  quantized matrices as well (the dense fast path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.layers.dense_linear import DenseLinear
+from tokenmill.model.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from tokenmill.model.quant import QuantizedWeight, quantize_int4, quantize_int8
+
+Weight = torch.Tensor | QuantizedWeight
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    precision: str = "exact"  # "exact" | "fast"
+    quantization: str = "auto"  # see QUANTIZATIONS
+    bf16_min_rows: int = 4
+
+    @property
+    def keeps_quantized(self) -> bool:
+        return self.precision == "fast" and self.quantization != "none"
+
+    def prepare(self, w: Weight) -> Weight:
+        """The weight in the form this policy runs it: fp32 tensor or QuantizedWeight."""
+        if isinstance(w, QuantizedWeight):
+            return w if self.keeps_quantized else w.dequantize(torch.float32)
+        if self.precision == "fast" and self.quantization == "int8":
+            return quantize_int8(w)
+        if self.precision == "fast" and self.quantization == "int4":
+            return quantize_int4(w)
+        return w
+
+
+def make_linear(parts: list[Weight], bias: torch.Tensor | None, policy: LayerPolicy, lm_head: bool = False):
+    """One linear over the rows of `parts` stacked (fused q/k/v, gate/up)."""
+    prepared = [policy.prepare(p) for p in parts]
+    if all(isinstance(p, QuantizedWeight) for p in prepared):
+        try:
+            return QuantizedLinear(QuantizedWeight.cat(prepared) if len(prepared) > 1 else prepared[0], bias)
+        except ValueError:  # parts of different formats (a GGUF mixing types): keep them apart
+            return ConcatLinear([QuantizedLinear(p, None) for p in prepared], bias)
+    dense = [p.dequantize(torch.float32) if isinstance(p, QuantizedWeight) else p for p in prepared]
+    weight = torch.cat(dense) if len(dense) > 1 else dense[0]
+    if policy.precision == "exact":
+        return DenseLinear(weight, bias, None)
+    # The lm_head is the one big matrix-vector product: bf16 halves the bytes read and measured 3x
+    # faster than fp32 even for a single row, so fast mode always uses it.
+    return DenseLinear(weight, bias, 1 if lm_head else policy.bf16_min_rows)
+
+
+class ConcatLinear:
+    """Several linears over the same input, outputs side by side."""
+
+    def __init__(self, parts: list[QuantizedLinear], bias: torch.Tensor | None) -> None:
+        self.parts = parts
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([p(x) for p in self.parts], dim=-1)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def describe(self) -> str:
+        return " + ".join(p.describe() for p in self.parts)
+
+
+class DenseEmbedding:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+def make_embedding(weight: Weight, policy: LayerPolicy):
+    prepared = policy.prepare(weight)
+    return QuantizedEmbedding(prepared) if isinstance(prepared, QuantizedWeight) else DenseEmbedding(prepared)

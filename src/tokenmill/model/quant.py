@@ -1,0 +1,125 @@
+"""Weights that stay quantized in memory: the one packed format the CPU kernel reads, and conversions.
+
+A `QuantizedWeight` is an [N, K] matrix stored in groups of 32 along K: integer codes (4 or 8 bits)
+and per-group fp16 `scales` and optional `mins`, value = scale * code + min. GGUF's Q4_0, Q4_1 and
+Q8_0 map onto it without changing a value (their blocks are 32 wide with fp16 scales), so a GGUF
+model is read once and kept at about its file size; `dequantize()` reproduces the fp32 values the
+`gguf` package gives, bit for bit, for the exact path. Hugging Face weights can be quantized into it
+at load (`quantize_int8`, `quantize_int4`, vLLM's `--quantization` names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32
+# GGUF types read into the packed format as they are (block layout, then the bits it becomes).
+NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@dataclass
+class QuantizedWeight:
+    codes: torch.Tensor  # int4: uint8 [N, K / 2] (nibble order of GGUF Q4 blocks); int8: int8 [N, K]
+    scales: torch.Tensor  # float16 [N, K / 32]
+    mins: torch.Tensor | None  # float16 [N, K / 32], or None for symmetric formats
+    bits: int
+    kind: str  # where the numbers came from: a GGUF type name ("Q4_1") or "int8" / "int4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n = self.codes.shape[0]
+        return (n, self.codes.shape[1] * (2 if self.bits == 4 else 1))
+
+    @property
+    def nbytes(self) -> int:
+        total = self.codes.nbytes + self.scales.nbytes
+        return total + (self.mins.nbytes if self.mins is not None else 0)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense [N, K] matrix. In fp32 the operations are gguf's own (scale * code, then + min,
+        each rounded once), so the exact path sees the same numbers as when it dequantized with gguf."""
+        n, k = self.shape
+        codes = self._codes_by_group().float()  # [N, G, 32]
+        out = codes * self.scales.float().unsqueeze(-1)
+        if self.mins is not None:
+            out = out + self.mins.float().unsqueeze(-1)
+        return out.reshape(n, k).to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> QuantizedWeight:
+        """The rows `ids` (an embedding lookup dequantizes only the tokens it needs)."""
+        mins = None if self.mins is None else self.mins[ids]
+        return QuantizedWeight(self.codes[ids], self.scales[ids], mins, self.bits, self.kind)
+
+    def _codes_by_group(self) -> torch.Tensor:
+        n, k = self.shape
+        if self.bits == 8:
+            return self.codes.view(n, k // GROUP, GROUP)
+        packed = self.codes.view(n, k // GROUP, GROUP // 2)
+        return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of several weights stacked (fused q/k/v and gate/up); all must share one format."""
+        first = parts[0]
+        if any(p.bits != first.bits or (p.mins is None) != (first.mins is None) for p in parts):
+            raise ValueError("cannot stack quantized weights of different formats")
+        mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+        kinds = sorted({p.kind for p in parts})
+        return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                               mins, first.bits, "+".join(kinds))
+
+    def permute_rows(self, order: torch.Tensor) -> QuantizedWeight:
+        return self.rows(order)
+
+
+def from_gguf_blocks(kind: str, blocks: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+    """A GGUF tensor of a NATIVE_GGUF_TYPES type (raw uint8 blocks as the file holds them)."""
+    n, k = shape
+    if k % GROUP:
+        raise ValueError(f"row length {k} is not a multiple of {GROUP}")
+    raw = np.ascontiguousarray(blocks).reshape(n, k // GROUP, -1)
+    d = torch.from_numpy(raw[..., 0:2].copy()).view(torch.float16).reshape(n, k // GROUP)
+    if kind == "Q8_0":
+        codes = torch.from_numpy(raw[..., 2:].copy()).view(torch.int8).reshape(n, k)
+        return QuantizedWeight(codes, d, None, 8, kind)
+    if kind == "Q4_1":
+        m = torch.from_numpy(raw[..., 2:4].copy()).view(torch.float16).reshape(n, k // GROUP)
+        codes = torch.from_numpy(raw[..., 4:].copy()).reshape(n, k // 2)
+        return QuantizedWeight(codes, d, m, 4, kind)
+    if kind == "Q4_0":
+        # value = d * (q - 8) = d * q + (-8 d); -8 d is exact in fp16 and the sum is exact in fp32.
+        codes = torch.from_numpy(raw[..., 2:].copy()).reshape(n, k // 2)
+        return QuantizedWeight(codes, d, d * -8, 4, kind)
+    raise ValueError(f"GGUF type {kind} is not kept quantized (native: {', '.join(NATIVE_GGUF_TYPES)})")
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8 per group of 32 (as GGUF Q8_0): scale = max|w| / 127, codes round(w / scale)."""
+    n, k = _check_quantizable(weight)
+    groups = weight.float().reshape(n, k // GROUP, GROUP)
+    scales = (groups.abs().amax(-1) / 127).to(torch.float16)
+    inv = torch.where(scales == 0, torch.zeros((), dtype=torch.float32), 1 / scales.float())
+    codes = torch.round(groups * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8).reshape(n, k)
+    return QuantizedWeight(codes, scales, None, 8, "int8")
+
+
+def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
+    """Asymmetric int4 per group of 32 (as GGUF Q4_1): scale = (max - min) / 15, codes 0..15."""
+    n, k = _check_quantizable(weight)
+    groups = weight.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scales = ((hi - lo) / 15).to(torch.float16)
+    mins = lo.to(torch.float16)
+    inv = torch.where(scales == 0, torch.zeros((), dtype=torch.float32), 1 / scales.float())
+    q = torch.round((groups - mins.float().unsqueeze(-1)) * inv.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+    codes = q[..., :16] | (q[..., 16:] << 4)
+    return QuantizedWeight(codes.reshape(n, k // 2).contiguous(), scales, mins, 4, "int4")
+
+
+def _check_quantizable(weight: torch.Tensor) -> tuple[int, int]:
+    if weight.dim() != 2 or weight.shape[1] % GROUP:
+        raise ValueError(f"only [N, K] matrices with K a multiple of {GROUP} can be quantized, got {tuple(weight.shape)}")
+    return weight.shape[0], weight.shape[1]

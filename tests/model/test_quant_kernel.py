@@ -1,0 +1,87 @@
+"""The quantized-linear kernel (csrc/quant_linear.cpp) against the dequantized reference, every ISA
+variant, every row-count path; the packed format against gguf's own dequantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from tokenmill.model.kernels import quant_kernel
+from tokenmill.model.layers.quantized_linear import QuantizedLinear
+from tokenmill.model.quant import QuantizedWeight, from_gguf_blocks, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(not quant_kernel.available(), reason="the C++ kernel could not be built here")
+
+
+def gguf_weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    blocks = quantize(w, GGMLQuantizationType[kind])
+    return from_gguf_blocks(kind, blocks, (n, k)), dequantize(blocks, GGMLQuantizationType[kind]).reshape(n, k)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_dequantize_bit_for_bit(kind):
+    qw, ref = gguf_weight(kind, 48, 96)
+    assert qw.shape == (48, 96) and qw.bits == (8 if kind == "Q8_0" else 4)
+    assert torch.equal(qw.dequantize(), torch.from_numpy(ref))  # the exact path sees gguf's numbers
+    assert torch.equal(quant_kernel.dequantize(qw, torch.float32), torch.from_numpy(ref))
+    assert torch.equal(quant_kernel.dequantize(qw, torch.bfloat16), torch.from_numpy(ref).bfloat16())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17])
+@pytest.mark.parametrize("isa", [0, 1, 2])
+def test_kernel_matches_dequantized_matmul(kind, rows, isa):
+    # 37 output columns: tiles of 8 and 4 plus a ragged tail; K = 160 = 5 groups (the min term's mask).
+    qw, ref = gguf_weight(kind, 37, 160, seed=rows)
+    x = torch.randn(rows, 160)
+    expected = x.double() @ torch.from_numpy(ref).double().T
+    got = quant_kernel.linear(x, qw, isa)
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quantizer, tolerance", [(quantize_int8, 0.01), (quantize_int4, 0.15)])
+def test_quantize_at_load_round_trips(quantizer, tolerance):
+    w = torch.randn(64, 128) * 0.1
+    qw = quantizer(w)
+    assert qw.shape == (64, 128)
+    err = (qw.dequantize() - w).abs().max().item()
+    assert 0 < err < tolerance * w.abs().max().item()
+    # Memory: 8 or 4 bits per weight plus 2 fp16 per group of 32 for scale (and min).
+    per_weight = qw.nbytes / w.numel()
+    assert per_weight == pytest.approx(1 + 2 / 32 if qw.bits == 8 else 0.5 + 4 / 32)
+
+
+def test_layer_switches_to_bf16_gemm_for_many_rows():
+    qw, ref = gguf_weight("Q4_1", 64, 128)
+    bias = torch.randn(64)
+    layer = QuantizedLinear(qw, bias, dense_min_rows=8)
+    for rows in (1, 7, 8, 40):
+        x = torch.randn(rows, 128)
+        expected = x @ torch.from_numpy(ref).T + bias
+        # bf16 activations above the threshold: within bf16 rounding of the exact product.
+        atol = 1e-5 if rows < 8 else 3e-2
+        torch.testing.assert_close(layer(x), expected, atol=atol, rtol=1e-2)
+
+
+def test_stacked_weights_equal_separate_ones():
+    a, _ = gguf_weight("Q4_1", 32, 64, seed=1)
+    b, _ = gguf_weight("Q4_1", 16, 64, seed=2)
+    both = QuantizedWeight.cat([a, b])
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(quant_kernel.linear(x, both),
+                               torch.cat([quant_kernel.linear(x, a), quant_kernel.linear(x, b)], dim=1))
+    with pytest.raises(ValueError, match="different formats"):
+        QuantizedWeight.cat([a, gguf_weight("Q8_0", 16, 64)[0]])
+
+
+def test_bad_shapes_are_errors_not_wild_reads():
+    qw, _ = gguf_weight("Q4_1", 8, 64)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        quant_kernel.linear(torch.randn(2, 96), qw)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int8(torch.randn(4, 40))

@@ -1,0 +1,81 @@
+"""A GGUF whose matrices are Q4_0 / Q4_1 / Q8_0 runs with its weights kept quantized in fast mode
+(at about the file's size in memory, close to the exact path's logits) and dequantized in exact mode."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.tiny_models import make_tiny_model, write_tiny_gguf
+from tokenmill.config import EngineConfig
+from tokenmill.engine.factory import build_engine_core
+from tokenmill.errors import InvalidRequest
+from tokenmill.model.kernels import quant_kernel
+from tokenmill.model.layers.dense_linear import DenseLinear
+from tokenmill.model.layers.quantized_linear import QuantizedLinear
+from tokenmill.model.loader import load_weights
+from tokenmill.model.quant import QuantizedWeight
+from tokenmill.model.runner import SeqChunk
+
+
+def logits(core, ids: list[int]) -> torch.Tensor:
+    pages = list(range(-(-len(ids) // core.runner.page_size)))
+    return core.runner.execute([SeqChunk(ids, 0, pages, sample=True, all_logits=True)])
+
+
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0"])
+def quantized_gguf(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    folder = make_tiny_model(tmp, "llama", tokenizer=False, hidden_size=128, intermediate_size=256)
+    return request.param, write_tiny_gguf(folder, tmp / "tiny.gguf", quant=request.param)
+
+
+def test_matrices_stay_quantized_at_about_the_file_size(quantized_gguf):
+    kind, path = quantized_gguf
+    loaded = load_weights(str(path))
+    matrices = [w for w in loaded.weights.values() if isinstance(w, QuantizedWeight)]
+    assert len(matrices) == 2 + 2 * 7 and {w.kind for w in matrices} == {kind}  # embed, lm_head, 7 a layer
+    core = build_engine_core(EngineConfig(model=str(path), precision="fast", num_threads=1, kv_cache_tokens=256))
+    model = core.runner.model
+    assert isinstance(model.layers[0].qkv, QuantizedLinear) and isinstance(model.lm_head, QuantizedLinear)
+    assert model.weight_bytes() <= 1.3 * os.path.getsize(path)
+    exact = build_engine_core(EngineConfig(model=str(path), precision="exact", num_threads=1, kv_cache_tokens=256))
+    assert isinstance(exact.runner.model.layers[0].qkv, DenseLinear)
+    assert exact.runner.model.weight_bytes() > 3 * model.weight_bytes()  # fp32: 4 bytes a weight
+
+
+@pytest.mark.skipif(not quant_kernel.available(), reason="the C++ kernel could not be built here")
+def test_fast_path_logits_close_to_exact(quantized_gguf):
+    _, path = quantized_gguf
+    fast = build_engine_core(EngineConfig(model=str(path), precision="fast", num_threads=1, kv_cache_tokens=256))
+    exact = build_engine_core(EngineConfig(model=str(path), precision="exact", num_threads=1, kv_cache_tokens=256))
+    ids = [int(i) for i in torch.randint(100, 49152, (40,), generator=torch.Generator().manual_seed(0))]
+    # 3 rows go through the packed kernel (fp32 activations: rounding-level differences only) ...
+    torch.testing.assert_close(logits(fast, ids[:3]), logits(exact, ids[:3]), atol=2e-4, rtol=1e-4)
+    # ... 40 rows through dequantize + bf16 GEMM: bf16 activations, so a looser bound.
+    a, b = logits(fast, ids), logits(exact, ids)
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_dense_checkpoint_quantized_at_load(tmp_path):
+    folder = make_tiny_model(tmp_path, "qwen2", tokenizer=False, hidden_size=128, intermediate_size=256)
+    dense = build_engine_core(EngineConfig(model=str(folder), precision="fast", num_threads=1, kv_cache_tokens=256))
+    ids = list(range(100, 103))
+    for scheme, bits in (("int8", 8), ("int4", 4)):
+        core = build_engine_core(EngineConfig(model=str(folder), precision="fast", quantization=scheme,
+                                              num_threads=1, kv_cache_tokens=256))
+        model = core.runner.model
+        assert isinstance(model.layers[0].qkv, QuantizedLinear) and model.layers[0].qkv.weight.bits == bits
+        assert model.layers[0].qkv.bias is not None  # qwen2's q/k/v bias survives quantization
+        got, ref = logits(core, ids), logits(dense, ids)
+        assert (got - ref).abs().max() < (0.05 if bits == 8 else 0.5) * ref.abs().max()
+
+
+def test_quantization_needs_fast_precision():
+    with pytest.raises(InvalidRequest, match="needs precision 'fast'"):
+        EngineConfig(precision="exact", quantization="int4")
+    with pytest.raises(InvalidRequest, match="quantization must be one of"):
+        EngineConfig(quantization="fp8")
