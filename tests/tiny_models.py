@@ -167,11 +167,27 @@ def _llamacpp_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
+# gguf-py cannot quantize K-quant types; for these, tests get random blocks with small scales (the
+# model's numbers are then not the HF model's: good for memory and dispatch tests only).
+_RANDOM_K_QUANTS = {"Q4_K": (144, [(0, 0.002), (2, 0.001)]), "Q6_K": (210, [(208, 0.0005)])}
+
+
+def _random_k_quant_blocks(kind: str, shape: tuple[int, int]) -> np.ndarray:
+    size, fp16_fields = _RANDOM_K_QUANTS[kind]
+    rows, cols = shape
+    rng = np.random.default_rng(rows * 7919 + cols)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    for offset, value in fp16_fields:
+        blocks[:, offset : offset + 2] = np.full((len(blocks), 1), value, dtype=np.float16).view(np.uint8)
+    return blocks.reshape(rows, cols // 256 * size)
+
+
 def write_tiny_gguf(folder: Path, out: Path, quant: str | None = None) -> Path:
     """Convert a tiny HF folder to GGUF like llama.cpp does (q/k permutation for llama, rope_freqs for llama3).
 
     Embeddings go in as F16 (exercising a non-F32 path), everything else as F32; with `quant`
-    ("Q4_0", "Q4_1", "Q8_0") every matrix, the embedding included, is stored in that type instead.
+    ("Q4_0", "Q4_1", "Q8_0"; "Q4_K" and "Q6_K" as random blocks) every matrix, the embedding
+    included, is stored in that type instead.
     """
     import gguf
 
@@ -202,7 +218,10 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | None = None) -> Path:
             w = _llamacpp_permute(w, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
         if quant is not None and w.ndim == 2:
             qtype = gguf.GGMLQuantizationType[quant]
-            data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
+            if quant in _RANDOM_K_QUANTS:
+                data = _random_k_quant_blocks(quant, w.shape)
+            else:
+                data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
             writer.add_tensor(_gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
             continue
         w = w.astype(np.float16) if name == "model.embed_tokens.weight" else w.astype(np.float32)

@@ -79,3 +79,20 @@ def test_quantization_needs_fast_precision():
         EngineConfig(precision="exact", quantization="int4")
     with pytest.raises(InvalidRequest, match="quantization must be one of"):
         EngineConfig(quantization="fp8")
+
+
+@pytest.mark.parametrize("kind, bits", [("Q4_K", 4), ("Q6_K", 8)])
+def test_k_quants_are_requantized_near_the_file_size(tmp_path, kind, bits):
+    # K-quant matrices are dequantized at load (the exact path's fp32) and packed again for fast mode.
+    folder = make_tiny_model(tmp_path, "llama", tokenizer=False, hidden_size=256, intermediate_size=512)
+    path = write_tiny_gguf(folder, tmp_path / "k.gguf", quant=kind)
+    loaded = load_weights(str(path))
+    assert loaded.gguf_types["model.layers.0.mlp.down_proj.weight"] == kind
+    fast = build_engine_core(EngineConfig(model=str(path), precision="fast", num_threads=1, kv_cache_tokens=256))
+    qkv = fast.runner.model.layers[0].qkv
+    assert isinstance(qkv, QuantizedLinear) and qkv.weight.bits == bits and kind in qkv.weight.kind
+    assert fast.runner.model.weight_bytes() <= 1.3 * os.path.getsize(path)
+    exact = build_engine_core(EngineConfig(model=str(path), precision="exact", num_threads=1, kv_cache_tokens=256))
+    ids = list(range(100, 104))
+    a, b = logits(fast, ids), logits(exact, ids)
+    assert (a - b).abs().max() < 0.1 * b.abs().max()

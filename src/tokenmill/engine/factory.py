@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
-from tokenmill.model.layers.factory import LayerPolicy
+from tokenmill.model.layers.factory import LayerPolicy, requantize_for_fast_path
 from tokenmill.model.loader import load_weights
 from tokenmill.model.registry import model_class
 from tokenmill.model.runner import ModelRunner
@@ -24,7 +24,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     mc = loaded.config
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     policy = LayerPolicy(config.precision, config.quantization, config.bf16_min_rows)
-    model = model_class(mc.architecture)(mc, loaded.weights, max_model_len, policy=policy)
+    weights = requantize_for_fast_path(loaded.weights, loaded.gguf_types, policy)
+    model = model_class(mc.architecture)(mc, weights, max_model_len, policy=policy)
     runner = ModelRunner(model, config.num_pages, config.page_size)
     core = EngineCore(config, runner, mc.vocab_size, mc.eos_token_ids, max_model_len)
     logger.info(

@@ -50,7 +50,8 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight], dict[str, str]]:
+    """Config, weights, and the GGUF type name of every weight (e.g. "Q4_K" for one dequantized here)."""
     _check_magic(path)
     try:
         reader = GGUFReader(path)
@@ -62,6 +63,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor | Quantize
         raise ModelLoadError(path, f"unsupported architecture {arch!r} (supported: {supported})")
     config = _config(reader, path, arch)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    types: dict[str, str] = {}
     rope_freqs = None
     for tensor in reader.tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -75,6 +77,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor | Quantize
                 heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
                 qw = qw.rows(torch.from_numpy(_unpermute_rows(np.arange(shape[0]), heads).copy()))
             weights[name] = qw
+            types[name] = tensor.tensor_type.name
             continue
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
@@ -92,9 +95,10 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor | Quantize
         # The reader memory-maps the file read-only and F32 tensors come back as views of that map:
         # copy those (torch wants writable memory, and it must outlive the map); fresh arrays pass as is.
         weights[name] = torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+        types[name] = tensor.tensor_type.name
     if rope_freqs is not None:
         config = _with_llama3_scaling(config, rope_freqs, _meta(reader, f"{arch}.rope.dimension_count"), path)
-    return config, weights
+    return config, weights, types
 
 
 def _check_magic(path: str) -> None:

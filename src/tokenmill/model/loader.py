@@ -7,7 +7,7 @@ which stay quantized as `QuantizedWeight`s; model/layers decides per precision w
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -28,6 +28,9 @@ class LoadedWeights:
     weights: dict[str, torch.Tensor | QuantizedWeight]
     source: str
     kind: Literal["gguf", "hf"]
+    # GGUF only: each tensor's type in the file ("Q4_1", "Q6_K", "F32", ...). Types the kernel cannot
+    # read as they are were dequantized to fp32; fast mode re-quantizes those (layers/factory.py).
+    gguf_types: dict[str, str] = field(default_factory=dict)
 
 
 def load_weights(path: str | None) -> LoadedWeights:
@@ -40,13 +43,14 @@ def load_weights(path: str | None) -> LoadedWeights:
             raise ModelLoadError(source, "not a GGUF file and not a folder with config.json")
         config, weights = load_hf(source)
         kind: Literal["gguf", "hf"] = "hf"
+        types: dict[str, str] = {}
     elif source.lower().endswith(".gguf") or _has_gguf_magic(source):
-        config, weights = load_gguf(source)
+        config, weights, types = load_gguf(source)
         kind = "gguf"
     else:
         raise ModelLoadError(source, "not a GGUF file and not a folder with config.json")
     check_weights(config, weights, source)
-    return LoadedWeights(config=config, weights=weights, source=source, kind=kind)
+    return LoadedWeights(config=config, weights=weights, source=source, kind=kind, gguf_types=types)
 
 
 def _has_gguf_magic(path: str) -> bool:

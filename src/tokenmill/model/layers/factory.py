@@ -44,6 +44,28 @@ class LayerPolicy:
         return w
 
 
+# GGUF types dequantized at load (no native kernel) and what fast mode re-quantizes them to: 4-bit
+# and smaller ones to int4 (0.625 bytes a weight, within 1.3x of Q4_K's 0.5625), the rest to int8.
+_INT4_SOURCES = ("Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS")
+_UNQUANTIZED = ("F32", "F16", "BF16", "F64")
+
+
+def requantize_for_fast_path(weights: dict, gguf_types: dict[str, str], policy: LayerPolicy) -> dict:
+    """A copy of `weights` in which matrices of a quantized GGUF type that was dequantized at load
+    (K-quants, Q5_x, ...) are quantized again into the packed format, so fast mode keeps a K-quant
+    file near its size too. The exact path keeps the fp32 values."""
+    if not policy.keeps_quantized or not gguf_types:
+        return weights
+    out = dict(weights)
+    for name, kind in gguf_types.items():
+        w = weights[name]
+        if kind in _UNQUANTIZED or isinstance(w, QuantizedWeight) or w.dim() != 2 or w.shape[1] % 32:
+            continue
+        qw = quantize_int4(w) if kind in _INT4_SOURCES else quantize_int8(w)
+        out[name] = QuantizedWeight(qw.codes, qw.scales, qw.mins, qw.bits, f"{kind}->{qw.kind}")
+    return out
+
+
 def make_linear(parts: list[Weight], bias: torch.Tensor | None, policy: LayerPolicy, lm_head: bool = False):
     """One linear over the rows of `parts` stacked (fused q/k/v, gate/up)."""
     prepared = [policy.prepare(p) for p in parts]
