@@ -63,8 +63,9 @@ def test_layer_switches_to_bf16_gemm_for_many_rows():
     for rows in (1, 7, 8, 40):
         x = torch.randn(rows, 128)
         expected = x @ torch.from_numpy(ref).T + bias
-        # bf16 activations above the threshold: within bf16 rounding of the exact product.
-        atol = 1e-5 if rows < 8 else 3e-2
+        # Below the threshold fp32 activations (int8 ones on AVX512-VNNI), above it bf16 ones: each
+        # within its rounding of the exact product.
+        atol = 1e-5 if rows < 8 and quant_kernel.best_isa() < 3 else 3e-2
         torch.testing.assert_close(layer(x), expected, atol=atol, rtol=1e-2)
 
 
@@ -85,3 +86,34 @@ def test_bad_shapes_are_errors_not_wild_reads():
         quant_kernel.linear(torch.randn(2, 96), qw)
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_int8(torch.randn(4, 40))
+
+
+def int8_activation_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """What the VNNI path computes: activations rounded to int8 per group of 32 (scale amax / 127),
+    integer dot products with the codes, then the weight and activation scales, plus the min term
+    over the same rounded activations."""
+    n, k = qw.shape
+    xg = x.view(x.shape[0], k // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros(()))
+    xq = torch.round(xg * inv).clamp(-128, 127)
+    codes = qw._codes_by_group().double()  # [N, G, 32]
+    dots = torch.einsum("mgj,ngj->mng", xq.double(), codes)
+    out = (dots * qw.scales.double().unsqueeze(0) * (amax / 127).double().transpose(1, 2)).sum(-1)
+    if qw.mins is not None:
+        out += (xq.sum(-1) * (amax / 127).squeeze(-1)).double() @ qw.mins.double().T
+    return out
+
+
+@pytest.mark.skipif(quant_kernel.available() and quant_kernel.best_isa() < 3, reason="no AVX512-VNNI here")
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+@pytest.mark.parametrize("k", [160, 192])  # an odd number of groups (5) and an even one (6)
+def test_vnni_path_matches_int8_activation_reference(kind, rows, k):
+    qw, ref = gguf_weight(kind, 37, k, seed=rows)
+    x = torch.randn(rows, k)
+    got = quant_kernel.linear(x, qw, 3)
+    torch.testing.assert_close(got.double(), int8_activation_reference(x, qw), atol=1e-4, rtol=1e-4)
+    # and within int8 rounding of the exact product
+    exact = x.double() @ torch.from_numpy(ref).double().T
+    assert (got.double() - exact).abs().max() < 0.015 * exact.abs().max()

@@ -52,8 +52,14 @@ def test_fast_path_logits_close_to_exact(quantized_gguf):
     fast = build_engine_core(EngineConfig(model=str(path), precision="fast", num_threads=1, kv_cache_tokens=256))
     exact = build_engine_core(EngineConfig(model=str(path), precision="exact", num_threads=1, kv_cache_tokens=256))
     ids = [int(i) for i in torch.randint(100, 49152, (40,), generator=torch.Generator().manual_seed(0))]
-    # 3 rows go through the packed kernel (fp32 activations: rounding-level differences only) ...
-    torch.testing.assert_close(logits(fast, ids[:3]), logits(exact, ids[:3]), atol=2e-4, rtol=1e-4)
+    # 3 rows go through the packed kernel: fp32 activations (rounding-level differences only), or on
+    # AVX512-VNNI int8 ones for 4-bit weights (within their rounding) ...
+    a, b = logits(fast, ids[:3]), logits(exact, ids[:3])
+    vnni = quant_kernel.best_isa() >= 3 and fast.runner.model.layers[0].qkv.weight.bits == 4
+    if vnni:
+        assert (a - b).abs().max() < 0.02 * b.abs().max()
+    else:
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
     # ... 40 rows through dequantize + bf16 GEMM: bf16 activations, so a looser bound.
     a, b = logits(fast, ids), logits(exact, ids)
     assert (a - b).abs().max() < 0.05 * b.abs().max()

@@ -5,13 +5,16 @@ back: text prompts of ~250 tokens (seeded random common words, the same for ever
 tokens, greedy, `ignore_eos` in the body (servers that do not know the field ignore it and may stop
 early: the output token count says so). Reported per level: TTFT and inter-token latency
 p50/p90/p99, output tokens/s, requests/s and errors. Only the HTTP API is used, so peers (vLLM,
-llama.cpp's server, ...) are measured with the same requests.
+llama.cpp's server, ...) are measured with the same requests. With `--peer-url` a second server gets
+the same requests in the same command, level by level right after the first (so both see about the
+same machine load), and the ratios of output tokens/s and TTFT p99 are reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -47,6 +50,12 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
     p.add_argument("--json", metavar="PATH", default=None, help="write settings and results here")
+    g = p.add_argument_group("peer")
+    g.add_argument("--peer-url", default=None,
+                   help="a second OpenAI-compatible server (e.g. llama-server) sent the same requests; "
+                        "ratios of output tok/s and TTFT p99 are printed")
+    g.add_argument("--peer-model", default=None, help="model name on the peer (default: the first of its /v1/models)")
+    g.add_argument("--peer-api-key", default=None)
     p.set_defaults(func=cmd_bench_serve)
 
 
@@ -66,7 +75,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    return 1 if any(r["errors"] for r in report["results"]) else 0
+    peer_results = report["peer"]["results"] if "peer" in report else []
+    return 1 if any(r["errors"] for r in [*report["results"], *peer_results]) else 0
 
 
 def make_prompts(count: int, words: int, seed: int) -> list[str]:
@@ -74,38 +84,76 @@ def make_prompts(count: int, words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(words)) for _ in range(count)]
 
 
+@dataclass
+class _Server:
+    base: str
+    model: str
+    client: Any
+    body: dict
+
+
 async def _run(args: argparse.Namespace, levels: list[int]) -> dict | None:
     import httpx  # only this command needs it
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    base = args.url.rstrip("/")
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=args.timeout) as client:
-        model = args.model
-        if model is None:
-            try:
-                resp = await client.get("/v1/models")
-                resp.raise_for_status()
-                model = resp.json()["data"][0]["id"]
-            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-                print(f"error: cannot list models at {base}/v1/models: {exc}", file=sys.stderr)
-                return None
-        body = {"model": model, "max_tokens": args.output_tokens, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        if not args.no_ignore_eos:
-            body["ignore_eos"] = True
-        # Warm-up: pays one-time costs (kernel selection, first allocation) outside the timed levels.
-        await _one(client, {**body, "max_tokens": 4}, make_prompts(1, 16, args.workload_seed + 1)[0])
-        results = []
+    targets = [(args.url, args.model, args.api_key)]
+    if args.peer_url:
+        targets.append((args.peer_url, args.peer_model, args.peer_api_key))
+    async with contextlib.AsyncExitStack() as stack:
+        servers = []
+        for url, model, api_key in targets:
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            base = url.rstrip("/")
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=base, headers=headers, timeout=args.timeout))
+            if model is None:
+                try:
+                    resp = await client.get("/v1/models")
+                    resp.raise_for_status()
+                    model = resp.json()["data"][0]["id"]
+                except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+                    print(f"error: cannot list models at {base}/v1/models: {exc}", file=sys.stderr)
+                    return None
+            body = {"model": model, "max_tokens": args.output_tokens, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            if not args.no_ignore_eos:
+                body["ignore_eos"] = True
+            servers.append(_Server(base, model, client, body))
+        for server in servers:
+            # Warm-up: pays one-time costs (kernel selection, first allocation) outside the timed levels.
+            await _one(server.client, {**server.body, "max_tokens": 4},
+                       make_prompts(1, 16, args.workload_seed + 1)[0])
+        results: list[list[dict]] = [[] for _ in servers]
         for level in levels:
             n = args.requests or max(4, 2 * level)
             prompts = make_prompts(n, args.prompt_words, args.workload_seed + level)
-            start = time.perf_counter()
-            samples = await _level(client, body, prompts, level)
-            results.append(_summarize(level, samples, time.perf_counter() - start))
-    return {"settings": {"url": base, "model": model, "concurrency": levels, "prompt_words": args.prompt_words,
-                         "output_tokens": args.output_tokens, "ignore_eos": not args.no_ignore_eos,
-                         "workload_seed": args.workload_seed, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-            "results": results}
+            # Level by level, one server right after the other: a change in the machine's load during
+            # the run then hits both sides of a ratio alike.
+            for server, server_results in zip(servers, results):
+                start = time.perf_counter()
+                samples = await _level(server.client, server.body, prompts, level)
+                server_results.append(_summarize(level, samples, time.perf_counter() - start))
+    main = servers[0]
+    report: dict[str, Any] = {
+        "settings": {"url": main.base, "model": main.model, "concurrency": levels, "prompt_words": args.prompt_words,
+                     "output_tokens": args.output_tokens, "ignore_eos": not args.no_ignore_eos,
+                     "workload_seed": args.workload_seed, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+        "results": results[0],
+    }
+    if len(servers) > 1:
+        report["peer"] = {"url": servers[1].base, "model": servers[1].model, "results": results[1]}
+        report["ratios"] = [peer_ratios(a, b) for a, b in zip(results[0], results[1])]
+    return report
+
+
+def peer_ratios(ours: dict, peer: dict) -> dict:
+    """Server / peer at one level: output tok/s (higher is better) and TTFT p99 (lower is better)."""
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    return {"concurrency": ours["concurrency"],
+            "output_tokens_per_s": ratio(ours["output_tokens_per_s"], peer["output_tokens_per_s"]),
+            "ttft_p99": ratio(ours["ttft_p99_s"], peer["ttft_p99_s"])}
 
 
 async def _level(client: Any, body: dict, prompts: list[str], concurrency: int) -> list[Sample]:
@@ -204,6 +252,22 @@ def _print_report(report: dict) -> None:
     s = report["settings"]
     print(f"{s['url']} model {s['model']}: ~{s['prompt_words']}-word prompts, {s['output_tokens']} output tokens, "
           f"greedy, ignore_eos {'on' if s['ignore_eos'] else 'off'}")
+    _print_table(report["results"])
+    if "peer" in report:
+        peer = report["peer"]
+        print(f"peer {peer['url']} model {peer['model']}: the same requests")
+        _print_table(peer["results"], "peer ")
+
+        def x(value: float | None) -> str:
+            return "-" if value is None else f"{value:.2f}x"
+
+        print(f"{s['url']} / peer:")
+        for r in report["ratios"]:
+            print(f"  concurrency {r['concurrency']}: output tok/s {x(r['output_tokens_per_s'])}, "
+                  f"TTFT p99 {x(r['ttft_p99'])} (lower is better)")
+
+
+def _print_table(results: list[dict], who: str = "") -> None:
     header = ("conc", "reqs", "prompt tok", "out tok", "out tok/s", "req/s", "TTFT p50/p90/p99 ms",
               "ITL p50/p90/p99 ms", "errors")
     rows = [header]
@@ -211,7 +275,7 @@ def _print_report(report: dict) -> None:
     def ms(*values: float | None) -> str:
         return "/".join("-" if v is None else f"{1000 * v:.0f}" for v in values)
 
-    for r in report["results"]:
+    for r in results:
         rows.append((
             str(r["concurrency"]), str(r["requests"]),
             "-" if r["mean_prompt_tokens"] is None else f"{r['mean_prompt_tokens']:.0f}",
@@ -222,6 +286,6 @@ def _print_report(report: dict) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-    for r in report["results"]:
+    for r in results:
         for error in r["errors"]:
-            print(f"error (concurrency {r['concurrency']}): {error}", file=sys.stderr)
+            print(f"error ({who}concurrency {r['concurrency']}): {error}", file=sys.stderr)

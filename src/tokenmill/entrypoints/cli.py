@@ -21,7 +21,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--precision", choices=["exact", "fast"], default=d.precision,
-                   help="exact: fp32 (matches transformers); fast: bf16 GEMMs on large batches")
+                   help="fast (default): a GGUF's quantized weights stay quantized, bf16 GEMMs on large "
+                        "batches; exact: fp32 everywhere (token-identical to transformers)")
+    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=d.quantization,
+                   help="fast only. auto: run the file's quantized weights as they are; none: dequantize "
+                        "them; int8/int4: also quantize unquantized weights at load (e.g. safetensors)")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
@@ -32,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-            "precision", "num_threads", "seed", "enable_prefix_caching")
+            "precision", "quantization", "num_threads", "seed", "enable_prefix_caching")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -161,9 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.entrypoints.bench_throughput import add_throughput_parser
 
     add_throughput_parser(bench, add_engine_args)
+    from tokenmill.entrypoints.bench_latency import add_latency_parser
+
+    add_latency_parser(bench, add_engine_args)
     from tokenmill.entrypoints.bench_serve import add_serve_parser
 
     add_serve_parser(bench)
+    from tokenmill.entrypoints.bench_quality import add_quality_parser
+
+    add_quality_parser(bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
