@@ -14,6 +14,7 @@ from tokenmill.model.attention import AttentionBackend, AttentionMetadata, Torch
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.kernels import fused_ops
 from tokenmill.model.layers.factory import LayerPolicy, make_embedding, make_linear
+from tokenmill.model.layers.quantized_linear import QuantizedLinear
 from tokenmill.model.rope import RotaryEmbedding
 
 
@@ -101,11 +102,13 @@ class LlamaForCausalLM:
         policy = policy or LayerPolicy()
         # Prepared once: with tied embeddings the lm_head shares it (one copy in memory).
         embed = policy.prepare(weights["model.embed_tokens.weight"])
-        self.embed_tokens = make_embedding(embed, policy)
         self.layers = [DecoderLayer(config, weights, f"model.layers.{i}.", policy) for i in range(config.num_layers)]
         self.norm = weights["model.norm.weight"]
         lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = make_linear([lm_head], None, policy, lm_head=True)
+        if config.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear):
+            embed = self.lm_head.weight  # the lm_head's layout (maybe re-blocked): still one copy
+        self.embed_tokens = make_embedding(embed, policy)
         self.rope = RotaryEmbedding(config, max_positions)
         self.attention = attention or TorchPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
         # Fast mode runs the elementwise steps fused in C++ where it can (not for q/k norms, qwen3).

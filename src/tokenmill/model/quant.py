@@ -75,6 +75,40 @@ class QuantizedWeight:
         return self.rows(order)
 
 
+@dataclass
+class BlockedWeight:
+    """A QuantizedWeight re-laid for the AVX512-VNNI kernel (csrc/quant_vnni.cpp explains the layout):
+    blocks of 16 output columns, each zmm 4 inputs of 16 columns; the same bytes as the row layout."""
+
+    codes: torch.Tensor  # int4: uint8 [N/16, G, 4, 64]; int8: uint8 [N/16, G, 8, 64], codes + 128
+    scales: torch.Tensor  # float16 [N/16, G, 16]
+    mins: torch.Tensor | None
+    bits: int
+    kind: str
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
+def to_blocked(w: QuantizedWeight) -> BlockedWeight:
+    n, k = w.shape
+    if n % 16:
+        raise ValueError(f"{n} output rows is not a multiple of 16")
+    g = k // GROUP
+    q = w._codes_by_group().reshape(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4)  # [N/16, G, quad, col, 4]
+    if w.bits == 4:
+        codes = (q[:, :, :4] | (q[:, :, 4:] << 4)).reshape(n // 16, g, 4, 64).contiguous()
+    else:  # int8 + 128 as uint8 (flipping the sign bit): vpdpbusd's unsigned operand
+        codes = (q.view(torch.uint8) ^ 0x80).reshape(n // 16, g, 8, 64).contiguous()
+
+    def by_block(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.reshape(n // 16, 16, g).transpose(1, 2).contiguous()
+
+    return BlockedWeight(codes, by_block(w.scales), by_block(w.mins), w.bits, w.kind, (n, k))
+
+
 def from_gguf_blocks(kind: str, blocks: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
     """A GGUF tensor of a NATIVE_GGUF_TYPES type (raw uint8 blocks as the file holds them)."""
     n, k = shape

@@ -16,12 +16,13 @@ import torch
 
 from tokenmill.model.cpu_attention_kernel import disabled
 from tokenmill.model.kernels.cpp_build import load_extension
-from tokenmill.model.quant import QuantizedWeight
+from tokenmill.model.quant import BlockedWeight, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _state: bool | None = None
+_vnni_state: bool | None = None
 _EMPTY = torch.empty(0, dtype=torch.float16)
 
 
@@ -34,6 +35,33 @@ def available() -> bool:
             if _state is None:
                 _state = load_extension("quant_linear", "CPU quantized-linear kernel", logger)
     return _state
+
+
+def vnni_available() -> bool:
+    """Whether the column-blocked AVX512-VNNI kernel (csrc/quant_vnni.cpp) runs on this CPU."""
+    if not available():
+        return False
+    global _vnni_state
+    if _vnni_state is None:
+        with _lock:
+            if _vnni_state is None:
+                _vnni_state = load_extension("quant_vnni", "CPU VNNI quantized-linear kernel", logger) and bool(
+                    torch.ops.tokenmill_vnni.supported()
+                )
+    return _vnni_state
+
+
+def blocked_linear(x: torch.Tensor, w: BlockedWeight) -> torch.Tensor:
+    return torch.ops.tokenmill_vnni.linear(x, w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0])
+
+
+def blocked_rows(w: BlockedWeight, ids: torch.Tensor) -> torch.Tensor:
+    return torch.ops.tokenmill_vnni.dequantize_rows(w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0],
+                                                    w.shape[1], ids)
+
+
+def _or_empty(t: torch.Tensor | None) -> torch.Tensor:
+    return _EMPTY if t is None else t
 
 
 def linear(x: torch.Tensor, w: QuantizedWeight, isa: int = -1) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.layers.dense_linear import DenseLinear
 from tokenmill.model.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
-from tokenmill.model.quant import QuantizedWeight, quantize_int4, quantize_int8
+from tokenmill.model.quant import BlockedWeight, QuantizedWeight, quantize_int4, quantize_int8
 
 Weight = torch.Tensor | QuantizedWeight
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -112,6 +112,8 @@ class DenseEmbedding:
         return F.embedding(ids, self.weight)
 
 
-def make_embedding(weight: Weight, policy: LayerPolicy):
-    prepared = policy.prepare(weight)
-    return QuantizedEmbedding(prepared) if isinstance(prepared, QuantizedWeight) else DenseEmbedding(prepared)
+def make_embedding(weight: Weight | BlockedWeight, policy: LayerPolicy):
+    prepared = weight if isinstance(weight, BlockedWeight) else policy.prepare(weight)
+    if isinstance(prepared, (QuantizedWeight, BlockedWeight)):
+        return QuantizedEmbedding(prepared)
+    return DenseEmbedding(prepared)

@@ -1,11 +1,11 @@
-"""A linear layer whose weight stays quantized in memory (model/quant.py), with a kernel per row count.
+"""A linear layer whose weight stays quantized in memory (model/quant.py), with a kernel per CPU.
 
-Few rows (decode): the C++ kernel reads the packed codes directly, so a token costs the quantized
-bytes, not fp32 ones: batch-1 decode is bound by the bytes of weights read. Many rows (prefill,
-large decode batches): the weight is dequantized to bf16 into a temporary and multiplied by oneDNN's
-bf16 GEMM, which on AVX512-BF16 runs at several times the FLOP rate of any matrix-vector kernel; the
-dequantization is paid once per call and amortised over the rows, and the temporary is freed after
-the call, so the resident weight stays the packed one.
+On AVX512-VNNI CPUs the weight is re-laid once into column blocks (`to_blocked`) and every call, at
+any row count, runs csrc/quant_vnni.cpp: measured with SmolLM2's shapes, all 30 layers streamed, 2
+threads, it reads Q4 weights at ~21 GB/s for one row (3.0 ms a token) and beats oneDNN's bf16 GEMM
+up to 512 rows (docs/benchmarks.md). Elsewhere the row-layout kernel (csrc/quant_linear.cpp) runs
+few rows, and many rows dequantize the weight to a temporary bf16 matrix for oneDNN's GEMM (paid
+once per call, amortised over the rows; the temporary is freed after the call).
 """
 
 from __future__ import annotations
@@ -14,22 +14,27 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.kernels import quant_kernel
-from tokenmill.model.quant import QuantizedWeight
+from tokenmill.model.quant import BlockedWeight, QuantizedWeight, to_blocked
 
-# Measured with SmolLM2-135M's shapes, all 30 layers streamed, 2 threads (docs/benchmarks.md): the
+# Row-layout kernel only (no VNNI). Measured with SmolLM2-135M's shapes, all 30 layers streamed, 2 threads (docs/benchmarks.md): the
 # packed kernel wins clearly up to ~8 rows; from 16 rows dequantize + bf16 GEMM is as fast or faster.
 DENSE_MIN_ROWS = 12
 
 
 class QuantizedLinear:
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dense_min_rows: int = DENSE_MIN_ROWS):
+    def __init__(self, weight: QuantizedWeight | BlockedWeight, bias: torch.Tensor | None,
+                 dense_min_rows: int = DENSE_MIN_ROWS):
+        if isinstance(weight, QuantizedWeight) and weight.shape[0] % 16 == 0 and quant_kernel.vnni_available():
+            weight = to_blocked(weight)
         self.weight = weight
         self.bias = bias
         self.dense_min_rows = dense_min_rows
         self.kernel = quant_kernel.available()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel and x.shape[0] < self.dense_min_rows:
+        if isinstance(self.weight, BlockedWeight):
+            out = quant_kernel.blocked_linear(x, self.weight)
+        elif self.kernel and x.shape[0] < self.dense_min_rows:
             out = quant_kernel.linear(x, self.weight)
         else:
             w = quant_kernel.dequantize(self.weight) if self.kernel else self.weight.dequantize(torch.bfloat16)
@@ -37,6 +42,8 @@ class QuantizedLinear:
         return out if self.bias is None else out.add_(self.bias)
 
     def describe(self) -> str:
+        if isinstance(self.weight, BlockedWeight):
+            return f"{self.weight.kind} ({self.weight.bits}-bit, column-blocked AVX512-VNNI kernel, int8 activations)"
         path = f"packed kernel below {self.dense_min_rows} rows, bf16 GEMM above" if self.kernel else "bf16 GEMM"
         return f"{self.weight.kind} ({self.weight.bits}-bit, {path})"
 
@@ -44,8 +51,10 @@ class QuantizedLinear:
 class QuantizedEmbedding:
     """Embedding lookup that dequantizes only the rows of the tokens in the batch."""
 
-    def __init__(self, weight: QuantizedWeight) -> None:
-        self.weight = weight
+    def __init__(self, weight: QuantizedWeight | BlockedWeight) -> None:
+        self.weight = weight  # blocked when it is shared with a tied lm_head that runs the VNNI kernel
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, BlockedWeight):
+            return quant_kernel.blocked_rows(self.weight, ids)
         return self.weight.rows(ids).dequantize(torch.float32)
