@@ -127,8 +127,13 @@ def test_blocked_vnni_kernel_matches_int8_activation_reference(kind, rows):
     blocked = to_blocked(qw)
     assert blocked.nbytes == qw.nbytes  # a re-layout, not a copy with extras
     x = torch.randn(rows, 160)
-    got = quant_kernel.blocked_linear(x, blocked)
-    torch.testing.assert_close(got.double(), int8_activation_reference(x, qw), atol=1e-4, rtol=1e-4)
+    one_term = quant_kernel.blocked_linear(x, blocked, terms=1)
+    torch.testing.assert_close(one_term.double(), int8_activation_reference(x, qw), atol=1e-4, rtol=1e-4)
+    # Two int8 terms per activation (the default): ~15 bits, within ~1e-4 of the exact product.
+    exact = x.double() @ torch.from_numpy(ref).double().T
+    two_terms = quant_kernel.blocked_linear(x, blocked)
+    assert (two_terms.double() - exact).abs().max() < 1e-3 * exact.abs().max()
+    assert (two_terms.double() - exact).abs().max() < 0.1 * (one_term.double() - exact).abs().max()
     ids = torch.tensor([0, 47, 16, 5, 16])
     assert torch.equal(quant_kernel.blocked_rows(blocked, ids), qw.rows(ids).dequantize())
     with pytest.raises(ValueError, match="multiple of 16"):

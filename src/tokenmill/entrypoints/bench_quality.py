@@ -326,7 +326,7 @@ def _print_reports(reports: dict[str, QualityReport], args: argparse.Namespace, 
         print(f"  perplexity exact      {r.ppl_reference:8.4f}")
         print(f"  perplexity {cand:<10} {r.ppl_candidate:8.4f}   {100 * r.ppl_rel_change:+.3f}%, bound within "
               f"{100 * PPL_REL_MAX:.0f}%   {verdict[r.ppl_ok]}")
-        print(f"  KL(exact || {cand}) nats: mean {r.kl_mean:.6f}, p99 {r.kl_p99:.6f}, max {r.kl_max:.6f}")
+        print(f"  KL(exact || {cand}) nats: mean {r.kl_mean:.3g}, p99 {r.kl_p99:.3g}, max {r.kl_max:.3g}")
         print(f"  {cand}'s top logit tied between tokens at {100 * r.candidate_top_ties:.2f}% of positions "
-              f"(bf16-rounded logits tie; argmax then takes the lowest id)")
+              f"(coarsely rounded logits, e.g. bf16, tie; argmax then takes the lowest id)")
     print(f"\nresult: {verdict[all(r.passed for r in reports.values())]}")

@@ -30,9 +30,17 @@ class AttentionMetadata:
     num_decode: int  # the first num_decode rows are decode rows
     page_size: int
     decode_block_table: torch.Tensor | None  # [num_decode, max_pages] page ids, padded with page 0
-    decode_mask: torch.Tensor | None  # [1, num_decode, 1, max_pages * page_size] additive: 0 or -inf
+    # [1, num_decode, 1, max_pages * page_size] additive: 0 or -inf; None: built from decode_seq_lens
+    # when the PyTorch path needs it (the C++ kernel never does)
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillSpan]
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] int64 context lengths (for the C++ kernel)
+
+
+def decode_mask(lengths: torch.Tensor, padded_len: int) -> torch.Tensor:
+    """[1, rows, 1, padded_len] additive mask: 0 for each row's first `length` positions, -inf after."""
+    valid = torch.arange(padded_len).unsqueeze(0) < lengths.unsqueeze(1)
+    return torch.zeros(valid.shape).masked_fill_(~valid, float("-inf")).view(1, len(lengths), 1, -1)
 
 
 class AttentionBackend(abc.ABC):
@@ -68,8 +76,10 @@ class TorchPagedAttention(AttentionBackend):
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_tokens = q.shape[0]
-        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype)
         nd = meta.num_decode
+        if nd == num_tokens:  # decode rows only (the common step): no output buffer to fill
+            return self._decode(q, k_cache, v_cache, meta).view(num_tokens, self.num_heads * self.head_dim)
+        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
         for span in meta.prefills:
@@ -107,7 +117,8 @@ class TorchPagedAttention(AttentionBackend):
         # Query heads that share a KV head sit next to each other (HF's repeat_kv order), so grouping
         # them as [kv_heads, nd, group, head_dim] attends GQA without copying K/V per query head.
         qg = q.view(nd, kvh, group, hd).transpose(0, 1)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scale).add_(meta.decode_mask)
+        mask = meta.decode_mask if meta.decode_mask is not None else decode_mask(meta.decode_seq_lens, max_pages * meta.page_size)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scale).add_(mask)
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, values)  # [kv_heads, nd, group, head_dim]
         return out.transpose(0, 1).reshape(nd, self.num_heads, hd)

@@ -107,9 +107,6 @@ class ModelRunner:
             lengths = torch.tensor([c.start + 1 for c in decode])
             max_pages = -(-int(lengths.max()) // size)
             table = torch.tensor([c.pages[:max_pages] + [0] * (max_pages - len(c.pages[:max_pages])) for c in decode])
-            pos = torch.arange(max_pages * size)
-            valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
-            decode_mask = torch.zeros(nd, max_pages * size).masked_fill_(~valid, float("-inf")).view(1, nd, 1, -1)
             last = lengths - 1
             slot_parts.append(table[torch.arange(nd), last // size] * size + last % size)
 

@@ -43,11 +43,16 @@ class ChildProcesses:
         if self.config.model:
             detokenizer += ["--model", self.config.model]
         env = dict(os.environ)
-        # The engine's OpenMP threads spin at every barrier by default. Here they share the cores with
-        # the HTTP and detokenizer processes, which wake at every step: a spinning thread then steals
-        # the core its partner needs. Measured (fast mode, 2 threads, 64 decode rows, one competing
-        # busy process): 608 ms/step spinning vs 169 ms passive; 124 vs 174 ms on an idle machine.
+        # OpenMP threads wait between parallel regions; how long they spin before sleeping decides
+        # both the idle and the shared case. Spinning forever (libgomp's default) steals the core a
+        # descheduled partner needs when another process is busy; never spinning (PASSIVE) pays a
+        # futex wake-up per region, ~150 a decode step. A short spin (~1000 iterations, a few µs)
+        # covers the gaps inside a step and sleeps between steps, i.e. spins only while the engine
+        # has work. Measured, batch-1 decode step, 2 threads (docs/benchmarks.md): idle machine
+        # 6.7 ms (PASSIVE 13.2, default 8.1); one competing busy process 19.2 ms (PASSIVE 12.1,
+        # default 25.2, spin 20000: 113).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env.setdefault("GOMP_SPINCOUNT", "1000")
         for name, cmd in (("scheduler", scheduler), ("detokenizer", detokenizer)):
             self.procs[name] = subprocess.Popen(cmd, env=env)
             logger.info("started the %s process (pid %d)", name, self.procs[name].pid)

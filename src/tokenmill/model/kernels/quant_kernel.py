@@ -51,8 +51,9 @@ def vnni_available() -> bool:
     return _vnni_state
 
 
-def blocked_linear(x: torch.Tensor, w: BlockedWeight) -> torch.Tensor:
-    return torch.ops.tokenmill_vnni.linear(x, w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0])
+def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2) -> torch.Tensor:
+    """terms: int8 terms per activation (2: ~15 bits, near fp32 quality; 1: llama.cpp's Q8)."""
+    return torch.ops.tokenmill_vnni.linear(x, w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0], terms)
 
 
 def blocked_rows(w: BlockedWeight, ids: torch.Tensor) -> torch.Tensor:
