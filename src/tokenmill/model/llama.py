@@ -80,11 +80,10 @@ class DecoderLayer:
         """Fast path with the fused C++ steps: `h` is this layer's normed input; adds the attention
         output to `x` in place and returns the MLP output, which the caller adds to `x` together with
         the next norm (one pass instead of two)."""
-        t = x.shape[0]
         qkv = self.qkv(h)
-        q, k = fused_ops.rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        attn = attention.forward(q, k, v, k_cache, v_cache, meta)
+        q = fused_ops.rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, k_cache, v_cache,
+                                 meta.slot_mapping)
+        attn = attention.attend(q, k_cache, v_cache, meta)
         h = fused_ops.add_rms_norm_(x, self.o_proj(attn), self.post_norm, self.eps)
         return self.down(fused_ops.silu_mul(self.gate_up(h)))
 
@@ -113,6 +112,7 @@ class LlamaForCausalLM:
         self.attention = attention or TorchPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
         # Fast mode runs the elementwise steps fused in C++ where it can (not for q/k norms, qwen3).
         self.fused = policy.precision == "fast" and not config.qk_norm and fused_ops.available()
+        self.fused = self.fused and isinstance(self.attention, TorchPagedAttention)  # fp32 caches it writes
 
     def forward(
         self,

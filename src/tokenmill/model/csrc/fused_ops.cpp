@@ -4,6 +4,8 @@
 //
 //   rope_qk(qkv, cos, sin, nq, nkv) -> (q, k): RoPE (HF's rotate_half form) on the q and k heads of
 //       a fused q/k/v projection, written to contiguous [T, heads, head_dim] tensors.
+//   rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots) -> q: the same, but k (roped) and v
+//       go straight to their cache slots (fp32 caches [kv_heads, slots, head_dim]).
 //   silu_mul(gate_up) -> silu(gate) * up, for gate_up = [gate | up] along the last dim.
 //   add_rms_norm_(x, delta, w, eps) -> x += delta (in place), then returns RMSNorm(x) * w.
 //
@@ -21,6 +23,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <tuple>
 
@@ -144,6 +147,33 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
   return {q, k};
 }
 
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t nq, int64_t nkv,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots_in) {
+  auto [q, k] = rope_qk(qkv, cos, sin, nq, nkv);
+  const int64_t T = qkv.size(0), d = q.size(2);
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 3 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == nkv && k_cache.size(2) == d &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous float32 [num_kv_heads, slots, head_dim]");
+  TORCH_CHECK(qkv.size(1) >= (nq + 2 * nkv) * d, "qkv has fewer columns than q, k and v need");
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == T, "one slot per token");
+  const int64_t num_slots = k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float* kp = k.data_ptr<float>();
+  const float* src = qkv.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the cache");
+    for (int64_t h = 0; h < nkv; ++h) {
+      std::memcpy(kc + (h * num_slots + sp[t]) * d, kp + (t * nkv + h) * d, d * sizeof(float));
+      std::memcpy(vc + (h * num_slots + sp[t]) * d, src + t * qkv.stride(0) + (nq + nkv + h) * d, d * sizeof(float));
+    }
+  }
+  return q;
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   const at::Tensor gate_up = gate_up_in.contiguous();
   check_float_rows(gate_up, "gate_up");
@@ -184,6 +214,8 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta_in, const at::Te
 
 TORCH_LIBRARY(tokenmill_fused, m) {
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int nq, int nkv) -> (Tensor, Tensor)", &rope_qk);
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nq, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slots) -> Tensor", &rope_store);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor", &add_rms_norm_);
 }

@@ -201,13 +201,16 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
   const Weights w = check(codes, scales, mins, bits, N, K);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  at::Tensor xq = at::empty({M, terms, K}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({M, w.G, terms}, x.options());
-  at::Tensor qsum = at::empty({M, w.G}, x.options());
-  at::Tensor sum128 = at::empty({M, w.G, terms}, x.options().dtype(at::kInt));
-  quantize_rows(x.data_ptr<float>(), M, K, static_cast<int>(terms), xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
-                qsum.data_ptr<float>(), sum128.data_ptr<int32_t>());
-  Acts a{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), qsum.data_ptr<float>(), sum128.data_ptr<int32_t>(), K};
+  // One scratch allocation for the quantized activations and their per-group numbers (an allocation
+  // per array was ~0.2 ms of a 6 ms batch-1 step: 121 calls a token).
+  const int64_t groups = M * w.G;
+  at::Tensor scratch = at::empty({groups * (2 * terms + 1) * 4 + M * terms * K}, x.options().dtype(at::kByte));
+  float* dx = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
+  float* qsum = dx + groups * terms;
+  int32_t* sum128 = reinterpret_cast<int32_t*>(qsum + groups);
+  int8_t* xq = reinterpret_cast<int8_t*>(sum128 + groups * terms);
+  quantize_rows(x.data_ptr<float>(), M, K, static_cast<int>(terms), xq, dx, qsum, sum128);
+  Acts a{xq, dx, qsum, sum128, K};
   float* yp = y.data_ptr<float>();
   const int64_t nblocks = N / kCols;
   // At least ~32k weights per thread chunk: small layers do not pay a fork for nothing.

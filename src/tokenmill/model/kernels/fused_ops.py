@@ -36,6 +36,12 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nk
     return torch.ops.tokenmill_fused.rope_qk(qkv, cos, sin, nq, nkv)
 
 
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """q [T, nq, D] with RoPE applied; k (with RoPE) and v written to the caches at `slots`."""
+    return torch.ops.tokenmill_fused.rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill_fused.silu_mul(gate_up)
 

@@ -1,0 +1,46 @@
+"""The fused elementwise ops of the fast path (csrc/fused_ops.cpp) against the eager PyTorch steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.kernels import fused_ops
+from tokenmill.model.rope import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="the C++ ops could not be built here")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: split over threads
+def test_rope_on_fused_projection(rows):
+    nq, nkv, d = 9, 3, 64
+    qkv = torch.randn(rows, (nq + 2 * nkv) * d)
+    cos, sin = torch.randn(rows, d), torch.randn(rows, d)
+    q, k = fused_ops.rope_qk(qkv, cos, sin, nq, nkv)
+    ref = RotaryEmbedding.apply(qkv[:, : (nq + nkv) * d].reshape(rows, nq + nkv, d), cos.unsqueeze(1), sin.unsqueeze(1))
+    torch.testing.assert_close(torch.cat([q, k], dim=1), ref)
+
+    k_cache, v_cache = torch.zeros(nkv, 100, d), torch.zeros(nkv, 100, d)
+    slots = torch.randperm(100)[:rows]
+    q2 = fused_ops.rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots)
+    torch.testing.assert_close(q2, q)
+    torch.testing.assert_close(k_cache[:, slots].transpose(0, 1), k)
+    torch.testing.assert_close(v_cache[:, slots].transpose(0, 1), qkv[:, (nq + nkv) * d :].reshape(rows, nkv, d))
+    untouched = torch.ones(100, dtype=torch.bool)
+    untouched[slots] = False
+    assert k_cache[:, untouched].abs().sum() == 0 and v_cache[:, untouched].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        fused_ops.rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, torch.full((rows,), 100))
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_silu_mul_and_residual_norm(rows):
+    gate_up = torch.randn(rows, 2 * 1536) * 4  # wide range: the exp approximation on both signs
+    torch.testing.assert_close(fused_ops.silu_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:],
+                               atol=1e-5, rtol=1e-5)
+    x, delta, w = torch.randn(rows, 576), torch.randn(rows, 576), torch.randn(576)
+    x_in_place = x.clone()
+    h = fused_ops.add_rms_norm_(x_in_place, delta, w, 1e-5)
+    torch.testing.assert_close(x_in_place, x + delta)
+    torch.testing.assert_close(h, F.rms_norm(x + delta, (576,), w, 1e-5))
