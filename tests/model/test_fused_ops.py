@@ -32,6 +32,11 @@ def test_rope_on_fused_projection(rows):
     assert k_cache[:, untouched].abs().sum() == 0 and v_cache[:, untouched].abs().sum() == 0
     with pytest.raises(RuntimeError, match="outside the cache"):
         fused_ops.rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, torch.full((rows,), 100))
+    # A bf16 cache (fast mode) gets the same values rounded as torch rounds them.
+    k16, v16 = torch.zeros(nkv, 100, d, dtype=torch.bfloat16), torch.zeros(nkv, 100, d, dtype=torch.bfloat16)
+    fused_ops.rope_store(qkv, cos, sin, nq, nkv, k16, v16, slots)
+    assert torch.equal(k16[:, slots].transpose(0, 1), k.bfloat16())
+    assert torch.equal(v16[:, slots].transpose(0, 1), qkv[:, (nq + nkv) * d :].reshape(rows, nkv, d).bfloat16())
 
 
 @pytest.mark.parametrize("rows", [1, 40])

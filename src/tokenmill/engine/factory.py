@@ -26,7 +26,10 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     policy = LayerPolicy(config.precision, config.quantization, config.bf16_min_rows)
     weights = requantize_for_fast_path(loaded.weights, loaded.gguf_types, policy)
     model = model_class(mc.architecture)(mc, weights, max_model_len, policy=policy)
-    runner = ModelRunner(model, config.num_pages, config.page_size)
+    # Fast mode keeps K/V in bf16: decode attention at many rows reads the whole context of every row
+    # per layer, and that read (not arithmetic) bounds it (32 rows x 400 tokens: 22 -> 12 ms a step).
+    kv_dtype = torch.bfloat16 if config.precision == "fast" else torch.float32
+    runner = ModelRunner(model, config.num_pages, config.page_size, kv_dtype)
     core = EngineCore(config, runner, mc.vocab_size, mc.eos_token_ids, max_model_len)
     logger.info(
         "loaded %s (%s, %d layers) in %.1fs; KV pool %d pages x %d tokens; precision %s; %d threads",

@@ -79,8 +79,8 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
         # Write first, so every read below sees the current tokens too.
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         return self.attend(q, k_cache, v_cache, meta)
 
     def attend(self, q, k_cache, v_cache, meta):
@@ -108,7 +108,8 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty(kvh, pages.shape[0], page_size * hd, dtype=cache.dtype)
         for head in range(kvh):
             torch.index_select(by_page[head], 0, pages, out=out[head])
-        return out.view(kvh, -1, hd)
+        # A bf16 cache (fast mode) is computed with in fp32, like the decode kernel does.
+        return out.view(kvh, -1, hd).float()
 
     def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
         # The fused C++ kernel reads K/V through the block table: no gather, no padding.

@@ -27,7 +27,8 @@ class SeqChunk:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int,
+                 kv_dtype: torch.dtype = torch.float32) -> None:
         self.model = model
         self.page_size = page_size
         self.num_pages = num_pages
@@ -40,8 +41,8 @@ class ModelRunner:
         self._zeroed_pages = 0
         self.kv_caches = [
             (
-                torch.empty(c.num_kv_heads, num_slots, c.head_dim),
-                torch.empty(c.num_kv_heads, num_slots, c.head_dim),
+                torch.empty(c.num_kv_heads, num_slots, c.head_dim, dtype=kv_dtype),
+                torch.empty(c.num_kv_heads, num_slots, c.head_dim, dtype=kv_dtype),
             )
             for _ in range(c.num_layers)
         ]

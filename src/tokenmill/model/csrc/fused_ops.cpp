@@ -52,6 +52,14 @@ TF_INLINE float exp_nonpos(float x) {
   return p * std::bit_cast<float>((ni + 127) << 23);
 }
 
+// fp32 -> bf16, round to nearest even (as torch's .to(torch.bfloat16) for finite values).
+TF_INLINE uint16_t to_bf16(float f) {
+  uint32_t b = std::bit_cast<uint32_t>(f);
+  if ((b & 0x7F800000u) == 0x7F800000u) return static_cast<uint16_t>((b >> 16) | ((b & 0xFFFF) ? 0x40 : 0));
+  b += 0x7FFFu + ((b >> 16) & 1u);
+  return static_cast<uint16_t>(b >> 16);
+}
+
 #define TF_DEFINE_VARIANT(SUFFIX, ATTR)                                                              \
   ATTR void rope_rows_##SUFFIX(const float* qkv, int64_t row_stride, const float* cos, const float* sin, \
                                int64_t nq, int64_t nkv, int64_t d, float* q, float* k, int64_t t0,    \
@@ -151,10 +159,11 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots_in) {
   auto [q, k] = rope_qk(qkv, cos, sin, nq, nkv);
   const int64_t T = qkv.size(0), d = q.size(2);
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 3 &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == nkv && k_cache.size(2) == d &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be contiguous float32 [num_kv_heads, slots, head_dim]");
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || bf16) && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == nkv &&
+                  k_cache.size(2) == d && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous float32 or bfloat16 [num_kv_heads, slots, head_dim]");
   TORCH_CHECK(qkv.size(1) >= (nq + 2 * nkv) * d, "qkv has fewer columns than q, k and v need");
   const at::Tensor slots = slots_in.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == T, "one slot per token");
@@ -162,13 +171,23 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const int64_t* sp = slots.data_ptr<int64_t>();
   const float* kp = k.data_ptr<float>();
   const float* src = qkv.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the cache");
     for (int64_t h = 0; h < nkv; ++h) {
-      std::memcpy(kc + (h * num_slots + sp[t]) * d, kp + (t * nkv + h) * d, d * sizeof(float));
-      std::memcpy(vc + (h * num_slots + sp[t]) * d, src + t * qkv.stride(0) + (nq + nkv + h) * d, d * sizeof(float));
+      const float* ks = kp + (t * nkv + h) * d;
+      const float* vs = src + t * qkv.stride(0) + (nq + nkv + h) * d;
+      const int64_t at = (h * num_slots + sp[t]) * d;
+      if (bf16) {
+        uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr()) + at;
+        uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr()) + at;
+        for (int64_t i = 0; i < d; ++i) {
+          kc[i] = to_bf16(ks[i]);
+          vc[i] = to_bf16(vs[i]);
+        }
+      } else {
+        std::memcpy(k_cache.data_ptr<float>() + at, ks, d * sizeof(float));
+        std::memcpy(v_cache.data_ptr<float>() + at, vs, d * sizeof(float));
+      }
     }
   }
   return q;
