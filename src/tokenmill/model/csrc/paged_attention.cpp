@@ -357,6 +357,111 @@ TM_INLINE void attend_one_vec(const Args& a, int64_t seq, int64_t kvh, float* __
   }
 }
 
+
+// The same attention with the query-head group size G known at compile time and the loops turned
+// around: each K and V row is loaded (and widened from bf16) once for all G query heads that share
+// it, instead of once per head. With 3 heads per KV head (SmolLM2) that measured ~1.6x faster at 16
+// decode rows of ~320 tokens.
+template <typename T, int HD, int W, int G>
+TM_INLINE void attend_one_grouped(const Args& a, int64_t seq, int64_t kvh, float* __restrict scores) {
+  constexpr int NC = HD / W;
+  using V = Vec<W>;
+  const int64_t len = a.lens[seq];
+  const int64_t page_size = a.page_size;
+  const int64_t slot_stride = a.slot_stride;
+  const float scale = a.scale;
+  const float* __restrict q = a.q + (seq * a.num_heads + kvh * G) * HD;
+  float* __restrict out = a.out + (seq * a.num_heads + kvh * G) * HD;
+  if (len <= 0) {
+    std::fill(out, out + G * HD, 0.0f);
+    return;
+  }
+  const T* kbase = static_cast<const T*>(a.k) + kvh * a.head_stride;
+  const T* vbase = static_cast<const T*>(a.v) + kvh * a.head_stride;
+  const int64_t* pages = a.table + seq * a.max_pages;
+  const int64_t num_pages = (len + page_size - 1) / page_size;
+  const int64_t page_elems = page_size * slot_stride;
+  const int64_t page_bytes = ((page_size - 1) * slot_stride + HD) * static_cast<int64_t>(sizeof(T));
+
+  V qg[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) qg[g][c] = loadv<W>(q + g * HD + W * c);
+
+  for (int64_t p = 0; p < std::min(kPrefetchPages, num_pages); ++p) {
+    prefetch_page(kbase + pages[p] * page_elems, page_bytes);
+  }
+  for (int64_t p = 0; p < num_pages; ++p) {
+    if (p + kPrefetchPages < num_pages) prefetch_page(kbase + pages[p + kPrefetchPages] * page_elems, page_bytes);
+    const int64_t first = p * page_size;
+    const int64_t n = std::min(page_size, len - first);
+    const T* __restrict kpage = kbase + pages[p] * page_elems;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      V part[G][8];
+      for (int i = 0; i < 8; ++i) {
+        const T* krow = kpage + (t + i) * slot_stride;
+        V k[NC];
+        for (int c = 0; c < NC; ++c) k[c] = loadv<W>(krow + W * c);
+        for (int g = 0; g < G; ++g) {
+          V d = qg[g][0] * k[0];
+          for (int c = 1; c < NC; ++c) d += qg[g][c] * k[c];
+          part[g][i] = d;
+        }
+      }
+      for (int g = 0; g < G; ++g) storev<8>(scores + g * len + first + t, hsum8(part[g]) * scale);
+    }
+    for (; t < n; ++t) {
+      const T* krow = kpage + t * slot_stride;
+      V k[NC];
+      for (int c = 0; c < NC; ++c) k[c] = loadv<W>(krow + W * c);
+      for (int g = 0; g < G; ++g) {
+        V d = qg[g][0] * k[0];
+        for (int c = 1; c < NC; ++c) d += qg[g][c] * k[c];
+        scores[g * len + first + t] = hsum<W>(d) * scale;
+      }
+    }
+  }
+
+  softmax_rows(scores, G, len);
+
+  for (int64_t p = 0; p < std::min(kPrefetchPages, num_pages); ++p) {
+    prefetch_page(vbase + pages[p] * page_elems, page_bytes);
+  }
+  V acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = V{};
+  for (int64_t p = 0; p < num_pages; ++p) {
+    if (p + kPrefetchPages < num_pages) prefetch_page(vbase + pages[p + kPrefetchPages] * page_elems, page_bytes);
+    const int64_t first = p * page_size;
+    const int64_t n = std::min(page_size, len - first);
+    const T* __restrict vpage = vbase + pages[p] * page_elems;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* vrow = vpage + t * slot_stride;
+      V v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = loadv<W>(vrow + W * c);
+      for (int g = 0; g < G; ++g) {
+        const float w = scores[g * len + first + t];
+        for (int c = 0; c < NC; ++c) acc[g][c] += w * v[c];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = scores[G * len + g];
+    for (int c = 0; c < NC; ++c) storev<W>(out + g * HD + W * c, acc[g][c] * inv);
+  }
+}
+
+template <typename T, int HD, int W>
+TM_INLINE bool attend_grouped(const Args& a, int64_t seq, int64_t kvh, float* scores) {
+  switch (a.group) {
+    case 1: attend_one_grouped<T, HD, W, 1>(a, seq, kvh, scores); return true;
+    case 2: attend_one_grouped<T, HD, W, 2>(a, seq, kvh, scores); return true;
+    case 3: attend_one_grouped<T, HD, W, 3>(a, seq, kvh, scores); return true;
+    case 4: attend_one_grouped<T, HD, W, 4>(a, seq, kvh, scores); return true;
+    default: return false;
+  }
+}
+
 // W: vector width in floats of the variant (16 for AVX-512, else 8).
 template <typename T, int W>
 TM_INLINE void attend_range(const Args& a, int64_t begin, int64_t end, float* scores, float* acc) {
@@ -364,10 +469,10 @@ TM_INLINE void attend_range(const Args& a, int64_t begin, int64_t end, float* sc
     const int64_t seq = item / a.kv_heads, kvh = item % a.kv_heads;
     switch (a.hd) {
       case 64:
-        attend_one_vec<T, 64, W>(a, seq, kvh, scores);
+        if (!attend_grouped<T, 64, W>(a, seq, kvh, scores)) attend_one_vec<T, 64, W>(a, seq, kvh, scores);
         break;
       case 128:
-        attend_one_vec<T, 128, W>(a, seq, kvh, scores);
+        if (!attend_grouped<T, 128, W>(a, seq, kvh, scores)) attend_one_vec<T, 128, W>(a, seq, kvh, scores);
         break;
       case 32:
         attend_one_vec<T, 32, W>(a, seq, kvh, scores);
