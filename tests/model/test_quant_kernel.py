@@ -60,7 +60,7 @@ def test_layer_switches_to_bf16_gemm_for_many_rows():
     qw, ref = gguf_weight("Q4_1", 64, 128)
     bias = torch.randn(64)
     layer = QuantizedLinear(qw, bias, dense_min_rows=8)
-    for rows in (1, 7, 8, 40):
+    for rows in (1, 7, 8, 40, 200):  # 200: past BLOCKED_DENSE_MIN_ROWS too
         x = torch.randn(rows, 128)
         expected = x @ torch.from_numpy(ref).T + bias
         # Below the threshold fp32 activations (int8 ones on AVX512-VNNI), above it bf16 ones: each
@@ -136,5 +136,6 @@ def test_blocked_vnni_kernel_matches_int8_activation_reference(kind, rows):
     assert (two_terms.double() - exact).abs().max() < 0.1 * (one_term.double() - exact).abs().max()
     ids = torch.tensor([0, 47, 16, 5, 16])
     assert torch.equal(quant_kernel.blocked_rows(blocked, ids), qw.rows(ids).dequantize())
+    assert torch.equal(quant_kernel.blocked_dequantize_bf16(blocked), qw.dequantize().bfloat16())
     with pytest.raises(ValueError, match="multiple of 16"):
         to_blocked(gguf_weight(kind, 40, 64)[0])

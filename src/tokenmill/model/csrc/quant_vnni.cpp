@@ -229,6 +229,66 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
 
 TV_TARGET float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
+TV_TARGET TV_INLINE __m256i to_bf16(__m512 v) {  // round to nearest even (weights are finite)
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+// The whole weight as a dense bf16 [N, K] matrix, for large batches: oneDNN's bf16 GEMM over it
+// beats the two-term VNNI kernel from a few hundred rows (model/layers/quantized_linear.py).
+TV_TARGET void dequantize_blocks(const Weights& w, int64_t K, int64_t nb0, int64_t nb1, uint16_t* out) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    for (int64_t g = 0; g < w.G; ++g) {
+      const int64_t blk = nb * w.G + g;
+      __m512i q[8];
+      if (w.bits == 4) {
+        const uint8_t* p = w.codes + blk * 256;
+        for (int t = 0; t < 4; ++t) {
+          const __m512i v = _mm512_loadu_si512(p + t * 64);
+          q[t] = _mm512_and_si512(v, nibble);
+          q[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) q[j] = _mm512_loadu_si512(w.codes + blk * 512 + j * 64);
+      }
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + blk * kCols)));
+      __m512 mn = w.mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + blk * kCols)))
+                         : _mm512_setzero_ps();
+      if (w.bits == 8) mn = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), sc, mn);  // codes are stored + 128
+      for (int part = 0; part < 4; ++part) {  // columns 4 part .. 4 part + 3
+        const __m512i idx = _mm512_add_epi32(_mm512_srli_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2), _mm512_set1_epi32(4 * part));
+        const __m512 s = _mm512_permutexvar_ps(idx, sc), m = _mm512_permutexvar_ps(idx, mn);
+        for (int j = 0; j < 8; ++j) {
+          const __m512i codes = _mm512_cvtepu8_epi32(
+              part == 0 ? _mm512_extracti32x4_epi32(q[j], 0)
+              : part == 1 ? _mm512_extracti32x4_epi32(q[j], 1)
+              : part == 2 ? _mm512_extracti32x4_epi32(q[j], 2) : _mm512_extracti32x4_epi32(q[j], 3));
+          const __m256i b = to_bf16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), s, m));
+          // lanes: column 4 part + c, inputs 4 j .. 4 j + 3 (c = lane / 4): 8 bytes per column
+          alignas(32) uint64_t lanes[4];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), b);
+          for (int c = 0; c < 4; ++c) {
+            std::memcpy(out + (nb * kCols + 4 * part + c) * K + g * kGroup + 4 * j, &lanes[c], 8);
+          }
+        }
+      }
+    }
+  }
+}
+
+at::Tensor dequantize_bf16(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
+                           int64_t N, int64_t K) {
+  const Weights w = check(codes, scales, mins, bits, N, K);
+  at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kBFloat16));
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, N / kCols, 1, [&](int64_t b0, int64_t b1) { dequantize_blocks(w, K, b0, b1, o); });
+  return out;
+}
+
 // Rows `ids` of the weight as fp32 [T, K] (embedding lookups of a tied, blocked weight).
 at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
                            int64_t N, int64_t K, const at::Tensor& ids_in) {
@@ -271,5 +331,7 @@ TORCH_LIBRARY(tokenmill_vnni, m) {
   m.def("linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits, int N, int terms=2) -> Tensor", &linear);
   m.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, int bits, int N, int K, Tensor ids) -> Tensor",
         &dequantize_rows);
+  m.def("dequantize_bf16(Tensor codes, Tensor scales, Tensor mins, int bits, int N, int K) -> Tensor",
+        &dequantize_bf16);
   m.def("supported() -> bool", &supported);
 }

@@ -56,6 +56,11 @@ def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2) -> torch.T
     return torch.ops.tokenmill_vnni.linear(x, w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0], terms)
 
 
+def blocked_dequantize_bf16(w: BlockedWeight) -> torch.Tensor:
+    return torch.ops.tokenmill_vnni.dequantize_bf16(w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0],
+                                                    w.shape[1])
+
+
 def blocked_rows(w: BlockedWeight, ids: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill_vnni.dequantize_rows(w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0],
                                                     w.shape[1], ids)

@@ -1,9 +1,11 @@
 """A linear layer whose weight stays quantized in memory (model/quant.py), with a kernel per CPU.
 
-On AVX512-VNNI CPUs the weight is re-laid once into column blocks (`to_blocked`) and every call, at
-any row count, runs csrc/quant_vnni.cpp: measured with SmolLM2's shapes, all 30 layers streamed, 2
-threads, it reads Q4 weights at ~21 GB/s for one row (3.0 ms a token) and beats oneDNN's bf16 GEMM
-up to 512 rows (docs/benchmarks.md). Elsewhere the row-layout kernel (csrc/quant_linear.cpp) runs
+On AVX512-VNNI CPUs the weight is re-laid once into column blocks (`to_blocked`) and calls run
+csrc/quant_vnni.cpp: measured with SmolLM2's shapes, all 30 layers streamed, 2 threads, it reads Q4
+weights at ~20 GB/s for one row (3.2 ms a token). From BLOCKED_DENSE_MIN_ROWS rows (prefill chunks)
+the blocked weight is dequantized to a temporary bf16 matrix (10 ms for all 30 layers) for oneDNN's
+GEMM: 2048 rows 1.27 s vs 1.58 s, and bf16 activations cost less quality there than int8 ones would
+(docs/benchmarks.md). Elsewhere the row-layout kernel (csrc/quant_linear.cpp) runs
 few rows, and many rows dequantize the weight to a temporary bf16 matrix for oneDNN's GEMM (paid
 once per call, amortised over the rows; the temporary is freed after the call).
 """
@@ -16,6 +18,9 @@ import torch.nn.functional as F
 from tokenmill.model.kernels import quant_kernel
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight, to_blocked
 
+# Blocked (VNNI) weights: 2-term VNNI vs dequantize + bf16 GEMM, 30 layers, 2 threads: 128 rows 95 vs
+# 97 ms, 256 rows 194 vs 158 ms.
+BLOCKED_DENSE_MIN_ROWS = 192
 # Row-layout kernel only (no VNNI). Measured with SmolLM2-135M's shapes, all 30 layers streamed, 2 threads (docs/benchmarks.md): the
 # packed kernel wins clearly up to ~8 rows; from 16 rows dequantize + bf16 GEMM is as fast or faster.
 DENSE_MIN_ROWS = 12
@@ -33,7 +38,11 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, BlockedWeight):
-            out = quant_kernel.blocked_linear(x, self.weight)
+            if x.shape[0] >= max(self.dense_min_rows, BLOCKED_DENSE_MIN_ROWS):
+                w = quant_kernel.blocked_dequantize_bf16(self.weight)
+                out = F.linear(x.to(torch.bfloat16), w).float()
+            else:
+                out = quant_kernel.blocked_linear(x, self.weight)
         elif self.kernel and x.shape[0] < self.dense_min_rows:
             out = quant_kernel.linear(x, self.weight)
         else:
@@ -43,7 +52,10 @@ class QuantizedLinear:
 
     def describe(self) -> str:
         if isinstance(self.weight, BlockedWeight):
-            return f"{self.weight.kind} ({self.weight.bits}-bit, column-blocked AVX512-VNNI kernel, int8 activations)"
+            path = "column-blocked AVX512-VNNI kernel, activations as two int8 terms"
+            if self.dense_min_rows < (1 << 60):
+                path += f"; bf16 GEMM from {max(self.dense_min_rows, BLOCKED_DENSE_MIN_ROWS)} rows"
+            return f"{self.weight.kind} ({self.weight.bits}-bit, {path})"
         path = f"packed kernel below {self.dense_min_rows} rows, bf16 GEMM above" if self.kernel else "bf16 GEMM"
         return f"{self.weight.kind} ({self.weight.bits}-bit, {path})"
 
