@@ -33,19 +33,19 @@ def available() -> bool:
 
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int):
     """(q [T, nq, D], k [T, nkv, D]) with RoPE applied, from the fused q/k/v projection output."""
-    return torch.ops.tokenmill_fused.rope_qk(qkv, cos, sin, nq, nkv)
+    return torch.ops.tokenmill_fused.rope_qk.default(qkv, cos, sin, nq, nkv)
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int,
                k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """q [T, nq, D] with RoPE applied; k (with RoPE) and v written to the caches at `slots`."""
-    return torch.ops.tokenmill_fused.rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots)
+    return torch.ops.tokenmill_fused.rope_store.default(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return torch.ops.tokenmill_fused.silu_mul(gate_up)
+    return torch.ops.tokenmill_fused.silu_mul.default(gate_up)
 
 
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x += delta in place; returns RMSNorm(x) * weight."""
-    return torch.ops.tokenmill_fused.add_rms_norm_(x, delta, weight, eps)
+    return torch.ops.tokenmill_fused.add_rms_norm_.default(x, delta, weight, eps)

@@ -56,6 +56,13 @@ def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2) -> torch.T
     return torch.ops.tokenmill_vnni.linear(x, w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0], terms)
 
 
+def bound_blocked_linear(w: BlockedWeight, terms: int = 2):
+    """`blocked_linear` with the weight's arguments bound: x -> x @ w.T (the decode hot path)."""
+    op = torch.ops.tokenmill_vnni.linear.default
+    args = (w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0], terms)
+    return lambda x: op(x, *args)
+
+
 def blocked_dequantize_bf16(w: BlockedWeight) -> torch.Tensor:
     return torch.ops.tokenmill_vnni.dequantize_bf16(w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0],
                                                     w.shape[1])
