@@ -17,7 +17,8 @@ import httpx
 
 # Three processes load the model and tokenizers at once on a shared 2-core machine.
 STARTUP_TIMEOUT_S = 240.0
-SMALL_ENGINE = ["--kv-cache-tokens", "8192", "--num-threads", "1"]
+# exact: the server tests compare with offline results of tests/real_model.make_llm (exact by default).
+SMALL_ENGINE = ["--kv-cache-tokens", "8192", "--num-threads", "1", "--precision", "exact"]
 
 
 def free_port() -> int:
