@@ -97,26 +97,30 @@ TV_TARGET TV_INLINE __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// The 8 quads (16 columns x 4 inputs of unsigned codes each) of one block of 16 columns and 32 inputs.
+TV_TARGET TV_INLINE void unpack_block(const Weights& w, int64_t blk, int bits, __m512i (&q)[8]) {
+  if (bits == 4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const uint8_t* p = w.codes + blk * 256;
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = _mm512_loadu_si512(p + t * 64);
+      q[t] = _mm512_and_si512(v, nibble);
+      q[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j) q[j] = _mm512_loadu_si512(w.codes + blk * 512 + j * 64);
+  }
+}
+
 // R rows (m0..m0+R-1) x 16 columns of block nb.
 template <int R, int Bits, int Terms>
 TV_TARGET void tile(const Weights& w, const Acts& a, int64_t K, int64_t N, int64_t m0, int64_t nb, float* y) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < w.G; ++g) {
     const int64_t blk = nb * w.G + g;
     __m512i q[8];
-    if constexpr (Bits == 4) {
-      const uint8_t* p = w.codes + blk * 256;
-      for (int t = 0; t < 4; ++t) {
-        const __m512i v = _mm512_loadu_si512(p + t * 64);
-        q[t] = _mm512_and_si512(v, nibble);
-        q[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      }
-    } else {
-      const uint8_t* p = w.codes + blk * 512;
-      for (int j = 0; j < 8; ++j) q[j] = _mm512_loadu_si512(p + j * 64);
-    }
+    unpack_block(w, blk, Bits, q);
     const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + blk * kCols)));
     __m512 mn = _mm512_setzero_ps();
     if (w.mins != nullptr) mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + blk * kCols)));
@@ -239,21 +243,11 @@ TV_TARGET TV_INLINE __m256i to_bf16(__m512 v) {  // round to nearest even (weigh
 // The whole weight as a dense bf16 [N, K] matrix, for large batches: oneDNN's bf16 GEMM over it
 // beats the two-term VNNI kernel from a few hundred rows (model/layers/quantized_linear.py).
 TV_TARGET void dequantize_blocks(const Weights& w, int64_t K, int64_t nb0, int64_t nb1, uint16_t* out) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     for (int64_t g = 0; g < w.G; ++g) {
       const int64_t blk = nb * w.G + g;
       __m512i q[8];
-      if (w.bits == 4) {
-        const uint8_t* p = w.codes + blk * 256;
-        for (int t = 0; t < 4; ++t) {
-          const __m512i v = _mm512_loadu_si512(p + t * 64);
-          q[t] = _mm512_and_si512(v, nibble);
-          q[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        }
-      } else {
-        for (int j = 0; j < 8; ++j) q[j] = _mm512_loadu_si512(w.codes + blk * 512 + j * 64);
-      }
+      unpack_block(w, blk, w.bits, q);
       const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + blk * kCols)));
       __m512 mn = w.mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + blk * kCols)))
                          : _mm512_setzero_ps();

@@ -32,6 +32,25 @@ _BUILD_TIMEOUT_S = 600
 _CXXFLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w"]
 
 
+class LazyExtension:
+    """One extension, built or loaded on the first `available()` of the process (thread-safe); False
+    where it cannot be, or while TOKENMILL_DISABLE_CPU_KERNEL is set."""
+
+    def __init__(self, name: str, what: str, logger: logging.Logger) -> None:
+        self.name, self.what, self.logger = name, what, logger
+        self._lock = threading.Lock()
+        self._state: bool | None = None
+
+    def available(self) -> bool:
+        if os.environ.get("TOKENMILL_DISABLE_CPU_KERNEL", "").strip().lower() not in ("", "0", "false", "no"):
+            return False
+        if self._state is None:
+            with self._lock:
+                if self._state is None:
+                    self._state = load_extension(self.name, self.what, self.logger)
+        return self._state
+
+
 def cache_dir() -> Path:
     root = os.environ.get("TOKENMILL_CACHE_DIR")
     if root:

@@ -7,28 +7,18 @@ model then runs the same steps as separate PyTorch ops.
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 
-from tokenmill.model.cpu_attention_kernel import disabled
-from tokenmill.model.kernels.cpp_build import load_extension
+from tokenmill.model.kernels.cpp_build import LazyExtension
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
-_state: bool | None = None
+_EXTENSION = LazyExtension("fused_ops", "CPU fused-ops kernel", logger)
 
 
 def available() -> bool:
-    if disabled():
-        return False
-    global _state
-    if _state is None:
-        with _lock:
-            if _state is None:
-                _state = load_extension("fused_ops", "CPU fused-ops kernel", logger)
-    return _state
+    return _EXTENSION.available()
 
 
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int):

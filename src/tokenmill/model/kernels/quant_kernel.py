@@ -10,45 +10,26 @@ TOKENMILL_DISABLE_CPU_KERNEL=1 disables it, like the attention kernel.
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 
-from tokenmill.model.cpu_attention_kernel import disabled
-from tokenmill.model.kernels.cpp_build import load_extension
+from tokenmill.model.kernels.cpp_build import LazyExtension
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
-_state: bool | None = None
-_vnni_state: bool | None = None
+_ROW = LazyExtension("quant_linear", "CPU quantized-linear kernel", logger)
+_VNNI = LazyExtension("quant_vnni", "CPU VNNI quantized-linear kernel", logger)
 _EMPTY = torch.empty(0, dtype=torch.float16)
 
 
 def available() -> bool:
-    if disabled():
-        return False
-    global _state
-    if _state is None:
-        with _lock:
-            if _state is None:
-                _state = load_extension("quant_linear", "CPU quantized-linear kernel", logger)
-    return _state
+    return _ROW.available()
 
 
 def vnni_available() -> bool:
     """Whether the column-blocked AVX512-VNNI kernel (csrc/quant_vnni.cpp) runs on this CPU."""
-    if not available():
-        return False
-    global _vnni_state
-    if _vnni_state is None:
-        with _lock:
-            if _vnni_state is None:
-                _vnni_state = load_extension("quant_vnni", "CPU VNNI quantized-linear kernel", logger) and bool(
-                    torch.ops.tokenmill_vnni.supported()
-                )
-    return _vnni_state
+    return available() and _VNNI.available() and bool(torch.ops.tokenmill_vnni.supported())
 
 
 def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2) -> torch.Tensor:
