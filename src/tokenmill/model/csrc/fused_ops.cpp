@@ -52,12 +52,13 @@ TF_INLINE float exp_nonpos(float x) {
   return p * std::bit_cast<float>((ni + 127) << 23);
 }
 
-// fp32 -> bf16, round to nearest even (as torch's .to(torch.bfloat16) for finite values).
+// fp32 -> bf16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. Branch-free
+// so that it vectorises.
 TF_INLINE uint16_t to_bf16(float f) {
-  uint32_t b = std::bit_cast<uint32_t>(f);
-  if ((b & 0x7F800000u) == 0x7F800000u) return static_cast<uint16_t>((b >> 16) | ((b & 0xFFFF) ? 0x40 : 0));
-  b += 0x7FFFu + ((b >> 16) & 1u);
-  return static_cast<uint16_t>(b >> 16);
+  const uint32_t b = std::bit_cast<uint32_t>(f);
+  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<uint16_t>(nan ? ((b >> 16) | 0x40u) : rounded);
 }
 
 #define TF_DEFINE_VARIANT(SUFFIX, ATTR)                                                              \
@@ -107,6 +108,14 @@ TF_INLINE uint16_t to_bf16(float f) {
       _Pragma("omp simd") for (int64_t i = 0; i < hidden; ++i) o[i] = w[i] * (xr[i] * inv);          \
     }                                                                                                \
   }
+
+#define TF_DEFINE_STORE(SUFFIX, ATTR)                                                                 \
+  ATTR void store_bf16_##SUFFIX(const float* src, uint16_t* dst, int64_t n) {                          \
+    _Pragma("omp simd") for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);                     \
+  }
+
+TF_DEFINE_STORE(base, )
+TF_DEFINE_STORE(avx512, __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))))
 
 TF_DEFINE_VARIANT(base, )
 TF_DEFINE_VARIANT(avx512, __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))))
@@ -169,6 +178,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   TORCH_CHECK(slots.numel() == T, "one slot per token");
   const int64_t num_slots = k_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
+  const bool wide = use_avx512();
   const float* kp = k.data_ptr<float>();
   const float* src = qkv.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
@@ -180,9 +190,12 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
       if (bf16) {
         uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr()) + at;
         uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr()) + at;
-        for (int64_t i = 0; i < d; ++i) {
-          kc[i] = to_bf16(ks[i]);
-          vc[i] = to_bf16(vs[i]);
+        if (wide) {
+          store_bf16_avx512(ks, kc, d);
+          store_bf16_avx512(vs, vc, d);
+        } else {
+          store_bf16_base(ks, kc, d);
+          store_bf16_base(vs, vc, d);
         }
       } else {
         std::memcpy(k_cache.data_ptr<float>() + at, ks, d * sizeof(float));
