@@ -217,127 +217,16 @@ TQ_AVX512 void range_avx512(const Args& a, int64_t n_begin, int64_t n_end) {
 
 
 // ---------------------------------------------------------------------------------------------
-// AVX512-VNNI path for int4 weights, as llama.cpp computes Q4 x Q8: each row of activations is
-// quantized per group of 32 to int8 (scale amax / 127, round to nearest even), and one vpdpbusd
-// multiplies 64 unsigned 4-bit codes with 64 int8 activations: two groups per instruction, about
-// half the instructions per weight of the fp32 path, which at few rows is what bounds the kernel.
-// The activations lose ~1/254 of their range per element (fast mode only; bench quality measures it).
-//
-// Layout of one pair of groups (g, g+1): the 32 code bytes hold [g: e0-15 | g+1: e0-15] in their low
-// nibbles and [g: e16-31 | g+1: e16-31] in their high nibbles, so the unpacked zmm is
-// [g e0-15, g+1 e0-15, g e16-31, g+1 e16-31]; the activations are stored in that order, and
-// lane i of the int32 dot product belongs to group g for lanes 0-3 and 8-11, g+1 for 4-7 and 12-15.
-#define TQ_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
-
-struct QuantizedActs {
-  const int8_t* xq;  // [M, P, 64]
-  const float* dx;   // [M, P, 16]: each lane's activation scale
-  int64_t P;         // pairs of groups, ceil(G / 2)
-};
-
-// Also writes qsum[m, g] = scale * sum of the group's int8 values: the min term must use the rounded
-// activations too (as llama.cpp's Q8_1 sum does), or the rounding errors, multiplied by codes that
-// are all >= 0, add up to a bias instead of cancelling.
-TQ_VNNI void quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, int64_t P, int8_t* xq, float* dx,
-                           float* qsum) {
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < 2 * P; ++g) {
-      const int64_t p = g / 2, half = g % 2;
-      int8_t* q = xq + (m * P + p) * 64 + half * 16;
-      float* d = dx + (m * P + p) * 16 + half * 4;
-      float scale = 0.f;
-      if (g < G) {
-        const __m512 lo = _mm512_loadu_ps(x + m * K + g * kGroup);
-        const __m512 hi = _mm512_loadu_ps(x + m * K + g * kGroup + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        scale = amax / 127.f;
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
-        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qlo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32), _mm512_cvtsepi32_epi8(qhi));
-        qsum[m * G + g] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
-      } else {  // the missing partner of an odd last group: zeros contribute nothing
-        std::memset(q, 0, 16);
-        std::memset(q + 32, 0, 16);
-      }
-      for (int i = 0; i < 4; ++i) d[i] = d[i + 8] = scale;
-    }
-  }
-}
-
-template <int R, int C>
-TQ_VNNI void tile_vnni(const Args& a, const QuantizedActs& qa, int64_t m0, int64_t n0) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const __m256i pattern = _mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  for (int64_t p = 0; p < qa.P; ++p) {
-    const bool pair = 2 * p + 1 < a.G;
-    __m512i w[C];
-    __m512 sw[C];
-    for (int c = 0; c < C; ++c) {
-      const int64_t n = n0 + c;
-      const uint8_t* cp = a.codes + n * (a.K / 2) + p * 32;
-      const __m256i v = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp))
-                             : _mm256_maskz_loadu_epi8(0xFFFF, cp);
-      const __m256i lo = _mm256_and_si256(v, nibble);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      w[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      uint32_t two = a.scales[n * a.G + 2 * p];
-      if (pair) two |= static_cast<uint32_t>(a.scales[n * a.G + 2 * p + 1]) << 16;
-      sw[c] = _mm512_cvtph_ps(_mm256_permutexvar_epi16(pattern, _mm256_castsi128_si256(_mm_cvtsi32_si128(static_cast<int>(two)))));
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_loadu_si512(qa.xq + ((m0 + r) * qa.P + p) * 64);
-      const __m512 d = _mm512_loadu_ps(qa.dx + ((m0 + r) * qa.P + p) * 16);
-      for (int c = 0; c < C; ++c) {
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], xv);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw[c], d), acc[r][c]);
-      }
-    }
-  }
-  for (int c = 0; c < C; ++c) {
-    for (int r = 0; r < R; ++r) {
-      float out = _mm512_reduce_add_ps(acc[r][c]);
-      if (a.mins != nullptr) out += min_term_avx512(a.mins + (n0 + c) * a.G, a.xsum + (m0 + r) * a.G, a.G);
-      a.y[(m0 + r) * a.N + n0 + c] = out;
-    }
-  }
-}
-
-template <int C>
-TQ_VNNI void columns_vnni(const Args& a, const QuantizedActs& qa, int64_t n0) {
-  int64_t m0 = 0;
-  for (; m0 + 4 <= a.M; m0 += 4) tile_vnni<4, C>(a, qa, m0, n0);
-  switch (a.M - m0) {
-    case 3: tile_vnni<3, C>(a, qa, m0, n0); break;
-    case 2: tile_vnni<2, C>(a, qa, m0, n0); break;
-    case 1: tile_vnni<1, C>(a, qa, m0, n0); break;
-    default: break;
-  }
-}
-
-TQ_VNNI void range_vnni(const Args& a, const QuantizedActs& qa, int64_t n_begin, int64_t n_end) {
-  int64_t n = n_begin;
-  if (a.M == 1) {
-    for (; n + 8 <= n_end; n += 8) tile_vnni<1, 8>(a, qa, 0, n);
-  }
-  for (; n + 4 <= n_end; n += 4) columns_vnni<4>(a, qa, n);
-  for (; n < n_end; ++n) columns_vnni<1>(a, qa, n);
-}
-
-// ---------------------------------------------------------------------------------------------
-// kAvx512Vnni: int4 weights take the int8-activation path above; int8 weights the AVX-512 one.
-enum Isa : int64_t { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+// (On AVX512-VNNI CPUs the layers use the column-blocked kernel of quant_vnni.cpp instead; this file
+// serves other CPUs, and weights whose row count is not a multiple of 16.)
+enum Isa : int64_t { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
 
 Isa detect_isa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c"))
-    return __builtin_cpu_supports("avx512vnni") ? kAvx512Vnni : kAvx512;
+    return kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
 #endif
   return kBaseline;
@@ -375,9 +264,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& codes, const a
   if (M == 0 || N == 0) return y;
   const int64_t G = K / kGroup;
   const Isa chosen = selected_isa(isa);
-  const bool vnni = chosen == kAvx512Vnni && bits == 4;
-  // The VNNI path writes its own sums (of the rounded activations) in quantize_acts.
-  at::Tensor xsum = vnni ? at::empty({M, G}, x.options()) : x.view({M, G, kGroup}).sum(-1).contiguous();
+  at::Tensor xsum = x.view({M, G, kGroup}).sum(-1).contiguous();
 
   Args a{};
   a.x = x.data_ptr<float>();
@@ -392,25 +279,13 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& codes, const a
   a.G = G;
   a.bits = static_cast<int>(bits);
 
-  at::Tensor acts_q, acts_scale;
-  QuantizedActs qa{};
-  if (vnni) {
-    qa.P = (G + 1) / 2;
-    acts_q = at::empty({M, qa.P * 64}, x.options().dtype(at::kChar));
-    acts_scale = at::empty({M, qa.P * 16}, x.options());
-    quantize_acts(a.x, M, K, G, qa.P, acts_q.data_ptr<int8_t>(), acts_scale.data_ptr<float>(), xsum.data_ptr<float>());
-    qa.xq = acts_q.data_ptr<int8_t>();
-    qa.dx = acts_scale.data_ptr<float>();
-  }
   // Work is split in blocks of 16 columns (multiples of the 4-column tile); at least ~64k weights
   // per thread chunk so that small layers do not pay a fork for nothing.
   const int64_t blocks = (N + 15) / 16;
   const int64_t grain = std::max<int64_t>(1, 65536 / (16 * K));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * 16, n1 = std::min(N, b1 * 16);
-    if (vnni) {
-      range_vnni(a, qa, n0, n1);
-    } else if (chosen >= kAvx512) {
+    if (chosen >= kAvx512) {
       if (bits == 4) range_avx512<4>(a, n0, n1);
       else range_avx512<8>(a, n0, n1);
     } else if (chosen == kAvx2) {
