@@ -7,6 +7,7 @@ benchmark re-measures the matmul ceilings next to the engines it times (docs/ben
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -26,6 +27,18 @@ from tokenmill.model.loader import expected_shapes
 # load; random prompts of special tokens would exercise nothing a real prompt does.
 FIRST_ORDINARY_TOKEN = 100
 THREAD_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
+
+
+def at_least(minimum: int):
+    """An argparse type: an integer of at least `minimum`, else a clear usage error."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.entrypoints.bench_common import make_workload, matmul_ceilings, model_flops, run_settings
-from tokenmill.entrypoints.bench_throughput import _positive
+from tokenmill.entrypoints.bench_common import (
+    at_least,
+    make_workload,
+    matmul_ceilings,
+    model_flops,
+    run_settings,
+)
 from tokenmill.entrypoints.llama_cpp_peer import PeerError, find_binary, run_llama_bench
 
 PEERS = ("none", "llama.cpp")
@@ -37,8 +42,9 @@ def add_latency_parser(subparsers: Any, add_engine_args: Callable[[argparse.Argu
         "latency", help="batch-1 decode and prompt-processing tok/s, optionally against llama-bench"
     )
     g = p.add_argument_group("workload")
-    g.add_argument("--prompt-len", type=_positive, default=512, help="prompt tokens of the pp test (llama-bench pp512)")
-    g.add_argument("--gen-len", type=_at_least_two, default=128, help="tokens of the decode test (llama-bench tg128)")
+    g.add_argument("--prompt-len", type=at_least(1), default=512, help="prompt tokens of the pp test (llama-bench pp512)")
+    g.add_argument("--gen-len", type=at_least(2), default=128,  # decode speed is timed first token to last
+                   help="tokens of the decode test (llama-bench tg128)")
     g.add_argument("--workload-seed", type=int, default=0)
     g = p.add_argument_group("benchmark")
     g.add_argument("--peer", choices=PEERS, default="none", help="also run this engine on the same GGUF and threads")
@@ -47,18 +53,11 @@ def add_latency_parser(subparsers: Any, add_engine_args: Callable[[argparse.Argu
                         "~/.cache/tokenmill-peers/llama.cpp-*/build/bin")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run each test once untimed before timing (default: on)")
-    g.add_argument("--repeats", type=_positive, default=3, help="timed runs per test; median and spread reported")
-    g.add_argument("--ceiling-size", type=_positive, default=2048, help="square matmul size for the ceilings")
+    g.add_argument("--repeats", type=at_least(1), default=3, help="timed runs per test; median and spread reported")
+    g.add_argument("--ceiling-size", type=at_least(1), default=2048, help="square matmul size for the ceilings")
     g.add_argument("--json", metavar="PATH", default=None, help="write settings and results here")
     add_engine_args(p)
     p.set_defaults(func=cmd_latency)
-
-
-def _at_least_two(text: str) -> int:
-    value = int(text)
-    if value < 2:  # decode speed is measured between the first and the last token
-        raise argparse.ArgumentTypeError(f"must be >= 2, got {value}")
-    return value
 
 
 def cmd_latency(args: argparse.Namespace) -> int:

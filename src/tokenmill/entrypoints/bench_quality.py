@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import PRECISIONS, EngineConfig
+from tokenmill.entrypoints.bench_common import at_least
 
 # The bounds: Q4_1 weights are the same numbers in both paths and only activation precision
 # differs, so the argmax should almost never move and perplexity should barely change.
@@ -233,31 +234,18 @@ def add_quality_parser(subparsers: Any) -> None:
         "quality", help="next-token distributions of --precision vs exact fp32 on held-out text (KL, top-1, ppl)"
     )
     p.add_argument("--text", default=None, help="UTF-8 text file (default: the bundled held-out prose)")
-    p.add_argument("--window", type=_window, default=512, help="tokens per window; the second half of each is scored")
-    p.add_argument("--chunks", type=_positive, default=None, help="score at most this many windows (default: all)")
+    # half of a window is scored, minus its last row: fewer than 4 tokens leaves almost nothing
+    p.add_argument("--window", type=at_least(4), default=512, help="tokens per window; the second half of each is scored")
+    p.add_argument("--chunks", type=at_least(1), default=None, help="score at most this many windows (default: all)")
     p.add_argument("--mode", choices=[*MODES, "both"], default="both",
                    help="prefill: each window in one pass; decode: the scored half one token per step")
-    p.add_argument("--decode-batch", type=_positive, default=8,
+    p.add_argument("--decode-batch", type=at_least(1), default=8,
                    help="windows decoded side by side in decode mode: the rows of each decode step")
     p.add_argument("--precision", choices=PRECISIONS, default="fast", help="the candidate; exact is the reference")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
     p.add_argument("--json", metavar="PATH", default=None, help="write settings and results here")
     p.set_defaults(func=cmd_quality)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _window(text: str) -> int:
-    value = int(text)
-    if value < 4:  # half of it is scored, minus the last row: fewer than 4 leaves almost nothing
-        raise argparse.ArgumentTypeError(f"must be >= 4, got {value}")
-    return value
 
 
 def cmd_quality(args: argparse.Namespace) -> int:

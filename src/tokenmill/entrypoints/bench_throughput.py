@@ -22,6 +22,7 @@ import torch
 from tokenmill.entrypoints.bench_common import (
     BenchRequest,
     RunResult,
+    at_least,
     format_table,
     make_workload,
     matmul_ceilings,
@@ -43,29 +44,22 @@ def add_throughput_parser(subparsers: Any, add_engine_args: Callable[[argparse.A
         "throughput", help="offline throughput: N random-token requests at once, optionally against a peer"
     )
     g = p.add_argument_group("workload")
-    g.add_argument("--requests", type=_positive, default=64)
-    g.add_argument("--min-prompt", type=_positive, default=64)
-    g.add_argument("--max-prompt", type=_positive, default=512)
-    g.add_argument("--min-output", type=_positive, default=64)
-    g.add_argument("--max-output", type=_positive, default=256)
+    g.add_argument("--requests", type=at_least(1), default=64)
+    g.add_argument("--min-prompt", type=at_least(1), default=64)
+    g.add_argument("--max-prompt", type=at_least(1), default=512)
+    g.add_argument("--min-output", type=at_least(1), default=64)
+    g.add_argument("--max-output", type=at_least(1), default=256)
     g.add_argument("--workload-seed", type=int, default=0)
     g = p.add_argument_group("benchmark")
     g.add_argument("--peer", choices=PEERS, default="none", help="also run this engine on the same workload")
-    g.add_argument("--peer-batch-size", type=_positive, default=8, help="static batch size of the peer")
+    g.add_argument("--peer-batch-size", type=at_least(1), default=8, help="static batch size of the peer")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run a few short requests on each engine before timing (default: on)")
-    g.add_argument("--repeats", type=_positive, default=1, help="timed runs per engine; median and spread reported")
-    g.add_argument("--ceiling-size", type=_positive, default=2048, help="square matmul size for the ceilings")
+    g.add_argument("--repeats", type=at_least(1), default=1, help="timed runs per engine; median and spread reported")
+    g.add_argument("--ceiling-size", type=at_least(1), default=2048, help="square matmul size for the ceilings")
     g.add_argument("--json", metavar="PATH", default=None, help="write settings and results here")
     add_engine_args(p)
     p.set_defaults(func=cmd_throughput)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:

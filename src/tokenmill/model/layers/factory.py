@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.layers.dense_linear import DenseLinear
-from tokenmill.model.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from tokenmill.model.layers.quantized_linear import NEVER_DENSE, QuantizedEmbedding, QuantizedLinear
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight, quantize_int4, quantize_int8
 
 Weight = torch.Tensor | QuantizedWeight
@@ -75,7 +75,7 @@ def make_linear(parts: list[Weight], bias: torch.Tensor | None, policy: LayerPol
             # 10, so the top two tokens tie at ~5% of positions (measured: top-1 agreement with the
             # exact path 97.3% with bf16 logits, 99%+ without). The packed kernel accumulates and
             # returns fp32 at every row count.
-            return QuantizedLinear(prepared[0], bias, dense_min_rows=1 << 62)
+            return QuantizedLinear(prepared[0], bias, dense_min_rows=NEVER_DENSE)
         try:
             return QuantizedLinear(QuantizedWeight.cat(prepared) if len(prepared) > 1 else prepared[0], bias)
         except ValueError:  # parts of different formats (a GGUF mixing types): keep them apart

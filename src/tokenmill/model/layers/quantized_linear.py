@@ -24,6 +24,8 @@ BLOCKED_DENSE_MIN_ROWS = 192
 # Row-layout kernel only (no VNNI). Measured with SmolLM2-135M's shapes, all 30 layers streamed, 2 threads (docs/benchmarks.md): the
 # packed kernel wins clearly up to ~8 rows; from 16 rows dequantize + bf16 GEMM is as fast or faster.
 DENSE_MIN_ROWS = 12
+# dense_min_rows for a layer that must always run the packed kernel (the lm_head: fp32 logits).
+NEVER_DENSE = 1 << 62
 
 
 class QuantizedLinear:
@@ -59,7 +61,7 @@ class QuantizedLinear:
     def describe(self) -> str:
         if isinstance(self.weight, BlockedWeight):
             path = "column-blocked AVX512-VNNI kernel, activations as two int8 terms"
-            if self.dense_min_rows < (1 << 60):
+            if self.dense_min_rows < NEVER_DENSE:
                 path += f"; bf16 GEMM from {max(self.dense_min_rows, BLOCKED_DENSE_MIN_ROWS)} rows"
             return f"{self.weight.kind} ({self.weight.bits}-bit, {path})"
         path = f"packed kernel below {self.dense_min_rows} rows, bf16 GEMM above" if self.kernel else "bf16 GEMM"
