@@ -9,6 +9,72 @@ from tokenmill.errors import InvalidRequest
 from tokenmill.model.layers.factory import QUANTIZATIONS
 
 PRECISIONS = ("exact", "fast")
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec/): a proposer guesses the next tokens, the target verifies them.
+
+    Greedy output is token-identical with and without it, and sampled output has the same
+    distribution; only the speed changes.
+    """
+
+    method: str = "ngram"  # ngram: prompt lookup, no extra model; draft: a smaller model proposes
+    # Tokens proposed per step. Measured on the bundled model, batch 1 (docs/benchmarks.md).
+    num_speculative_tokens: int = 4
+    # ngram: the longest suffix of prompt + output, from max down to min tokens, that occurred
+    # before proposes the tokens that followed it (vLLM's prompt_lookup_max / _min).
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # draft: the draft model (GGUF file or HF folder); None = the target's own file, run in the
+    # draft's cheaper precision (no second checkpoint needed).
+    model: str | None = None
+    draft_precision: str = "fast"
+    draft_quantization: str = "int4"
+    # No speculation in a step where this many requests are running: with a full batch the extra
+    # verification rows cost more than the accepted tokens save (vLLM's disable_by_batch_size).
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequest(
+                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+                param="speculative_method",
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}", param=name)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidRequest(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})",
+                param="prompt_lookup_min",
+            )
+        if self.draft_precision not in PRECISIONS:
+            raise InvalidRequest(
+                f"draft_precision must be one of {PRECISIONS}, got {self.draft_precision!r}", param="draft_precision"
+            )
+        if self.draft_quantization not in QUANTIZATIONS:
+            raise InvalidRequest(
+                f"draft_quantization must be one of {QUANTIZATIONS}, got {self.draft_quantization!r}",
+                param="draft_quantization",
+            )
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """`LLM(speculative=...)` takes a config, a dict of its fields, or just a method name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            return cls(method=value)
+        if not isinstance(value, dict):
+            raise InvalidRequest(f"speculative must be a dict or a method name, got {value!r}", param="speculative")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequest(f"unknown speculative setting(s): {', '.join(unknown)}", param=unknown[0])
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -39,6 +105,8 @@ class EngineConfig:
     # Radix-tree prefix cache: finished prompts' KV stays cached (evicted LRU when pages run short)
     # and later requests with the same page-aligned prefix skip computing it.
     enable_prefix_caching: bool = True
+    # Speculative decoding (a SpeculativeConfig, its fields as a dict, or a method name); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         positive = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "bf16_min_rows")
@@ -61,6 +129,8 @@ class EngineConfig:
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidRequest("enable_prefix_caching must be true or false", param="enable_prefix_caching")
+        # A dict (from JSON between processes, or LLM(speculative={...})) becomes the config here.
+        object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative))
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequest("max_model_len must be >= 1", param="max_model_len")
 

@@ -44,8 +44,10 @@ class FakeRunner:
             for i, token in enumerate(c.token_ids):
                 self.slots[self._slot(c.pages, c.start + i)] = token
             end = c.start + len(c.token_ids)
-            # all_logits: a row per token (prompt logprobs), else only the sampling row.
-            ends = range(c.start + 1, end + 1) if c.all_logits else [end] if c.sample else []
+            # all_logits: a row per token (prompt logprobs), else the sampling rows (the last
+            # num_logits: a speculative chunk verifies its drafts with one row each).
+            first = c.start + 1 if c.all_logits else end - c.num_logits + 1 if c.sample else end + 1
+            ends = range(first, end + 1)
             for e in ends:
                 prefix = [self.slots[self._slot(c.pages, p)] for p in range(e)]
                 assert None not in prefix, "read a slot that was never written"

@@ -7,6 +7,7 @@ matched stop string back through `finish_request`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterable
@@ -19,6 +20,8 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.spec.proposer import Proposer, build_proposer
+from tokenmill.engine.spec.stats import SpecDecodeStats
 from tokenmill.errors import InvalidRequest
 from tokenmill.kvcache.page_pool import PagePool
 from tokenmill.model.runner import ModelRunner, SeqChunk
@@ -26,6 +29,7 @@ from tokenmill.sample.logprobs import TokenLogprobs, prompt_logprobs
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.sampling_batch import SamplingBatch
 from tokenmill.sample.sampling_params import SamplingParams
+from tokenmill.sample.speculative import accepted_run, verification_batch
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ class EngineCore:
         vocab_size: int,
         eos_token_ids: Iterable[int],
         max_model_len: int,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -77,6 +82,9 @@ class EngineCore:
         self._grammar: Any = None
         self._grammar_pending: dict[str, Future[Any]] = {}
         self._matchers: dict[str, Any] = {}
+        # Speculative decoding (engine/spec/): None when off.
+        self.proposer: Proposer | None = build_proposer(config, vocab_size) if proposer is None else proposer
+        self.spec_stats = SpecDecodeStats()
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(
@@ -147,6 +155,7 @@ class EngineCore:
         self._drop_grammar(request_id)
         request.stop_reason = stop_reason
         self.scheduler.finish(request, status)
+        self._release_speculation(request_id)
         self._maybe_check_idle()
         return True
 
@@ -195,6 +204,7 @@ class EngineCore:
                 self.requests.pop(r.request_id, None)
                 self._drop_grammar(r.request_id)
                 self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+                self._release_speculation(r.request_id)
                 failed.append(EngineOutput(r.request_id, [], finished=True, finish_reason=r.finish_reason))
         return matchers, failed
 
@@ -208,29 +218,50 @@ class EngineCore:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         sched = self.scheduler.schedule()
+        for r in sched.preempted:
+            self._release_speculation(r.request_id)
         if not sched.chunks:
             return []
         self.num_steps += 1
         now = time.monotonic()
         chunks = []
+        drafts: dict[str, list[int]] = {}
         for c in sched.chunks:
             r = c.request
             start = r.num_computed_tokens
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
-            tokens = r.all_token_ids[start : start + c.num_tokens]
-            chunks.append(SeqChunk(tokens, start, r.pages, c.samples, all_logits=r.needs_prompt_logits))
-            self.prompt_tokens_computed_total += max(0, min(start + c.num_tokens, r.num_prompt_tokens) - start)
+            known = c.num_tokens - c.num_drafts
+            tokens = r.all_token_ids[start : start + known]
+            if c.num_drafts:
+                drafts[r.request_id] = r.spec_token_ids[: c.num_drafts]
+                tokens = tokens + drafts[r.request_id]
+            r.spec_token_ids = []  # used or dropped: the next proposal starts from what is accepted
+            chunks.append(
+                SeqChunk(tokens, start, r.pages, c.samples, all_logits=r.needs_prompt_logits, num_logits=1 + c.num_drafts)
+            )
+            self.prompt_tokens_computed_total += max(0, min(start + known, r.num_prompt_tokens) - start)
         sampling = [c.request for c in sched.chunks if c.samples]
         logits = self.runner.execute(chunks)
         if any(chunk.all_logits for chunk in chunks):
             logits = self._collect_prompt_logprobs(chunks, [c.request for c in sched.chunks], logits)
         for c in sched.chunks:
-            c.request.num_computed_tokens += c.num_tokens
-            if c.num_tokens > 1:
+            # Draft positions count as computed only once accepted (below).
+            c.request.num_computed_tokens += c.num_tokens - c.num_drafts
+            if c.num_tokens > 1 and not c.num_drafts:
                 # A prefill chunk: publish its full pages now, so requests admitted while this one
                 # is still running share its prompt. Decode pages wait for the release.
                 self.scheduler.cache_computed(c.request)
+        outputs = self._sample_and_append(sampling, [drafts.get(r.request_id, []) for r in sampling], logits)
+        self._propose()
+        self._maybe_check_idle()
+        return outputs
+
+    def _sample_and_append(
+        self, sampling: list[Request], drafts: list[list[int]], logits: torch.Tensor
+    ) -> list[EngineOutput]:
+        """Samples every row (a request with k drafts has k + 1), accepts what the target agrees
+        with (sample/speculative.py) and appends it, checking stops token by token."""
         if not sampling:
             return []
         matchers = None
@@ -238,60 +269,113 @@ class EngineCore:
         if self._matchers or self._grammar_pending:
             matchers, failed = self._resolve_matchers(sampling)
             if failed:  # drop the rows of requests whose grammar failed to compile
-                keep = [i for i, m in enumerate(matchers) if m is not False]
-                logits = logits[torch.tensor(keep, dtype=torch.long)]
-                sampling = [sampling[i] for i in keep]
-                matchers = [matchers[i] for i in keep]
+                keep_req = [i for i, m in enumerate(matchers) if m is not False]
+                starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+                rows = [row for i in keep_req for row in range(starts[i], starts[i + 1])]
+                logits = logits[torch.tensor(rows, dtype=torch.long)]
+                sampling = [sampling[i] for i in keep_req]
+                drafts = [drafts[i] for i in keep_req]
+                matchers = [matchers[i] for i in keep_req]
                 if not sampling:
-                    self._maybe_check_idle()
                     return failed
-        batch = SamplingBatch(
-            params=[r.params for r in sampling],
-            generators=[r.generator for r in sampling],
-            prompt_token_ids=[r.prompt_token_ids for r in sampling],
-            output_token_ids=[r.output_token_ids for r in sampling],
-            matchers=matchers,
+        batch = verification_batch(
+            [r.params for r in sampling],
+            [r.generator for r in sampling],
+            [r.prompt_token_ids for r in sampling],
+            [r.output_token_ids for r in sampling],
+            drafts,
+            matchers,
         )
         sampled = self.sampler(logits, batch)
         token_ids = sampled.token_ids.tolist()
         outputs = failed
-        for i, (request, token_id) in enumerate(zip(sampling, token_ids)):
+        row = 0
+        for i, (request, guesses) in enumerate(zip(sampling, drafts)):
+            run = accepted_run(token_ids[row : row + len(guesses) + 1], guesses)
+            lps = sampled.logprobs[row : row + len(run)]
+            row += len(guesses) + 1
+            if guesses:
+                self.spec_stats.record(len(guesses), len(run) - 1, 0)
+                # The K/V of the accepted drafts was written by this step's forward: it now counts.
+                request.num_computed_tokens += len(run) - 1
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            request.append_output(token_id)
-            self.generation_tokens_total += 1
-            status = self._check_stop(request, token_id)
             matcher = matchers[i] if matchers is not None else None
-            if matcher is not None:
-                # The mask allowed only tokens the grammar accepts, so a refusal means the mask was
-                # overridden (min_tokens hiding the only legal EOS): stop rather than run off-grammar.
-                if not matcher.accept_token(token_id):
-                    logger.warning("request %s: token %d refused by its grammar; stopping", request.request_id, token_id)
-                    status = status or RequestStatus.FINISHED_STOPPED
-                elif matcher.is_terminated():
-                    # EOS was the only legal token (ignore_eos or not): the structure is complete.
-                    status = status or RequestStatus.FINISHED_STOPPED
+            status = None
+            emitted = 0
+            for token_id in run:
+                request.append_output(token_id)
+                emitted += 1
+                status = self._check_stop(request, token_id)
+                if matcher is not None:
+                    # The mask allowed only tokens the grammar accepts, so a refusal means the mask was
+                    # overridden (min_tokens hiding the only legal EOS): stop rather than run off-grammar.
+                    if not matcher.accept_token(token_id):
+                        logger.warning("request %s: token %d refused by its grammar; stopping", request.request_id, token_id)
+                        status = status or RequestStatus.FINISHED_STOPPED
+                    elif matcher.is_terminated():
+                        # EOS was the only legal token (ignore_eos or not): the structure is complete.
+                        status = status or RequestStatus.FINISHED_STOPPED
+                if status is not None:
+                    break
+            self.generation_tokens_total += emitted
+            if guesses:
+                self.spec_stats.num_emitted_tokens += emitted
+            first = len(request.output_token_ids) == emitted
             if status is not None:
                 self._drop_grammar(request.request_id)
-            lp = sampled.logprobs[i] if sampled.logprobs else None
-            first = len(request.output_token_ids) == 1
-            if status is not None:
+                # A run cut short by a stop: K/V past the last kept token is not this request's.
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
                 self.requests.pop(request.request_id, None)
                 self.scheduler.finish(request, status)
+                self._release_speculation(request.request_id)
+            elif guesses:
+                self.scheduler.trim_pages(request)  # pages that held only rejected drafts
+            kept_lps = [lp for lp in lps[:emitted] if lp is not None]
             outputs.append(
                 EngineOutput(
                     request.request_id,
-                    [token_id],
+                    run[:emitted],
                     finished=status is not None,
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
-                    new_logprobs=[lp] if lp is not None else None,
+                    new_logprobs=kept_lps or None,
                     num_cached_tokens=request.num_cached_tokens,
                     prompt_logprobs=request.prompt_logprobs if first else None,
                 )
             )
-        self._maybe_check_idle()
         return outputs
+
+    # ---- speculative decoding -------------------------------------------------------------------
+    def _propose(self) -> None:
+        """Drafts for every running request that decodes next, unless the batch is too large for
+        speculation to pay."""
+        spec = self.config.speculative
+        if self.proposer is None or spec is None:
+            return
+        running = self.scheduler.running
+        if not running or len(running) >= spec.disable_by_batch_size:
+            return
+        ready = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        # A step may append at most k + 1 tokens: never plan past max_tokens or the context.
+        ks = [
+            max(0, min(spec.num_speculative_tokens, r.max_tokens - len(r.output_token_ids) - 1,
+                       self.max_model_len - r.num_tokens - 1))
+            for r in ready
+        ]
+        wanted = [(r, k) for r, k in zip(ready, ks) if k > 0]
+        if not wanted:
+            return
+        proposals = self.proposer.propose([r for r, _ in wanted], [k for _, k in wanted])
+        for (r, k), tokens in zip(wanted, proposals):
+            bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise AssertionError(f"request {r.request_id!r}: proposer returned token id {bad}")
+            r.spec_token_ids = list(tokens[:k])
+
+    def _release_speculation(self, request_id: str) -> None:
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     def _collect_prompt_logprobs(
         self, chunks: list[SeqChunk], requests: list[Request], logits: torch.Tensor
@@ -306,7 +390,7 @@ class EngineCore:
         keep: list[int] = []
         row = 0
         for chunk, r in zip(chunks, requests):
-            n = len(chunk.token_ids) if chunk.all_logits else int(chunk.sample)
+            n = len(chunk.token_ids) if chunk.all_logits else chunk.num_logits if chunk.sample else 0
             if chunk.all_logits and r.prompt_logprobs is not None:
                 done = len(r.prompt_logprobs) - 1  # positions already scored
                 if chunk.start > done:
@@ -317,7 +401,8 @@ class EngineCore:
                     targets = torch.tensor(r.prompt_token_ids[done + 1 : stop + 1])
                     r.prompt_logprobs.extend(prompt_logprobs(rows, targets, r.params.prompt_logprobs or 0))
             if chunk.sample:
-                keep.append(row + n - 1)
+                # A prompt chunk samples from its last row; a speculative chunk verifies with all its rows.
+                keep.extend(range(row + n - chunk.num_logits, row + n))
             row += n
         return logits[torch.tensor(keep, dtype=torch.long)]
 
@@ -339,6 +424,8 @@ class EngineCore:
         # Cheap (O(pages + tree nodes)) and catches leaks at the moment they become visible.
         if not self.has_unfinished():
             self.check_integrity()
+            if self.proposer is not None:
+                self.proposer.check_idle()
             cache = self.scheduler.cache
             idle = self.pool.num_free + self.scheduler.num_cached_pages
             if idle != self.pool.num_pages or (cache is not None and cache.num_locked_pages):
@@ -380,4 +467,5 @@ class EngineCore:
             "prefix_cache_hit_tokens_total": hits,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "kv_pages_evicted": cache.num_evicted_pages if cache is not None else 0,
+            **self.spec_stats.as_dict(),
         }

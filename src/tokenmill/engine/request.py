@@ -77,6 +77,9 @@ class Request:
     # params.prompt_logprobs: entry i scores prompt token i given the tokens before it; entry 0 is None
     # (nothing precedes the first token). Filled chunk by chunk during the prefill.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Speculative decoding: tokens a proposer guessed will follow all_token_ids, verified in the next
+    # step and then cleared. Never part of all_token_ids, the prefix tree or any count until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
     # prompt + output in one list, so a step can slice the tokens it computes without concatenating.
     all_token_ids: list[int] = field(init=False)
 

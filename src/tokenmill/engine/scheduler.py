@@ -36,12 +36,15 @@ TREE_HOLDER = "<prefix cache>"
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_tokens: int  # tokens computed for it this step
+    num_tokens: int  # tokens computed for it this step, draft tokens included
+    # Speculative decoding: the last num_drafts of those tokens are request.spec_token_ids[:num_drafts],
+    # guesses the target verifies in this step (their K/V counts as computed only once accepted).
+    num_drafts: int = 0
 
     @property
     def samples(self) -> bool:
         # Only a chunk that reaches the end of the known tokens yields logits for a new token.
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_tokens - self.num_drafts == self.request.num_tokens
 
 
 @dataclass
@@ -84,10 +87,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve(request, n, out):
+            drafts = self._drafts_that_fit(request, n, budget)
+            if not self._reserve(request, n + drafts, out):
                 break  # `request` itself was preempted; everything after it already was
-            out.chunks.append(ScheduledChunk(request, n))
-            budget -= n
+            out.chunks.append(ScheduledChunk(request, n + drafts, drafts))
+            budget -= n + drafts
             i += 1
         prefilling = self._prefilling_groups()
         deferred: list[Request] = []
@@ -137,6 +141,24 @@ class Scheduler:
     def _defer(self, request: Request, prefilling: set[int]) -> bool:
         # A request that needs prompt logprobs computes its whole prompt anyway: no point waiting.
         return request.prefill_group in prefilling and not request.needs_prompt_logits
+
+    def _drafts_that_fit(self, request: Request, n: int, budget: int) -> int:
+        """How many of a decoding request's draft tokens join its row: as many as the budget leaves,
+        and none when their pages would need a preemption (drafts are a bet, not a need)."""
+        if n != 1 or not request.spec_token_ids:
+            return 0
+        drafts = min(len(request.spec_token_ids), budget - 1)
+        need = self.pool.pages_for(request.num_computed_tokens + 1 + drafts) - len(request.pages)
+        return drafts if self._make_room(need) else 0
+
+    def trim_pages(self, request: Request) -> None:
+        """Returns the pages past a running request's known tokens (left by rejected drafts) to the pool."""
+        keep = self.pool.pages_for(request.num_tokens)
+        if len(request.pages) > keep:
+            if keep < request.num_tree_pages:
+                raise AssertionError(f"request {request.request_id!r}: trimming would drop prefix-tree pages")
+            self.pool.free(request.pages[keep:])
+            del request.pages[keep:]
 
     def _reserve(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         """Pages for `n` more tokens of `request`, evicting, then preempting the newest requests."""
@@ -231,6 +253,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._release(request, RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

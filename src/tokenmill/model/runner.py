@@ -24,6 +24,9 @@ class SeqChunk:
     sample: bool  # whether the last token's logits are needed
     # Logits for every token of the chunk, not just the last (prompt logprobs need them all).
     all_logits: bool = False
+    # With sample: logits for this many trailing tokens. A speculative chunk (the last token, then
+    # k draft tokens) needs k + 1 to verify its drafts.
+    num_logits: int = 1
 
 
 class ModelRunner:
@@ -49,33 +52,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Logits [number of chunks with sample=True, vocab], in the order of `chunks`; a chunk with
-        all_logits=True has one row per token instead (see _all_logit_rows)."""
+        """fp32 logits, in the order of `chunks`: `num_logits` rows (usually 1) for each chunk with
+        sample=True, one row per token for a chunk with all_logits=True (see _logit_rows)."""
         # Decode rows first: attention batches them together (see attention.py).
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         ordered = [chunks[i] for i in order]
         input_ids, positions, meta, last_rows = self._prepare(ordered)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
-        if any(c.all_logits for c in chunks):
-            return self.model.compute_logits(hidden[self._all_logit_rows(chunks, order, last_rows)])
-        sample_rows = [last_rows[j] for j, i in enumerate(order) if chunks[i].sample]
-        sampled_in_order = [i for i in order if chunks[i].sample]
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long)])
-        # Back to the caller's chunk order.
-        restore = sorted(range(len(sampled_in_order)), key=lambda j: sampled_in_order[j])
-        return logits[torch.tensor(restore, dtype=torch.long)] if restore != list(range(len(restore))) else logits
+        return self.model.compute_logits(hidden[self._logit_rows(chunks, order, last_rows)])
 
     @staticmethod
-    def _all_logit_rows(chunks: list[SeqChunk], order: list[int], last_rows: list[int]) -> torch.Tensor:
+    def _logit_rows(chunks: list[SeqChunk], order: list[int], last_rows: list[int]) -> torch.Tensor:
         """Hidden rows to turn into logits, in the caller's chunk order: every row of an `all_logits`
-        chunk (its last row is the sampling row when it samples), the last row of a sampling chunk."""
+        chunk (its last row is the sampling row when it samples), the last `num_logits` rows of a
+        sampling chunk (a speculative chunk: its last token and the drafts after it)."""
         last = {i: last_rows[j] for j, i in enumerate(order)}
         rows: list[int] = []
         for i, c in enumerate(chunks):
-            if c.all_logits:
-                rows.extend(range(last[i] - len(c.token_ids) + 1, last[i] + 1))
-            elif c.sample:
-                rows.append(last[i])
+            n = len(c.token_ids) if c.all_logits else c.num_logits if c.sample else 0
+            rows.extend(range(last[i] - n + 1, last[i] + 1))
         return torch.tensor(rows, dtype=torch.long)
 
     def _zero_new_pages(self, upto: int) -> None:

@@ -1,0 +1,55 @@
+"""The n-gram proposer (prompt lookup): the tokens that followed the last time this suffix occurred.
+
+For n from `max_n` down to `min_n`, the last n tokens of prompt + output are searched for earlier in
+the same sequence; the most recent earlier occurrence proposes the tokens that followed it. Output
+that copies its input (editing code, quoting a document, reformatting) repeats long runs, and those
+runs are accepted nearly whole. No model, no state: a request's own tokens are all it reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from tokenmill.engine.request import Request
+
+# Only the most recent tokens are searched: a match further back is rarely the one that continues,
+# and the search stays O(window) per request and step however long the context grows.
+SEARCH_WINDOW = 4096
+
+
+def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest matching
+    suffix (n in [min_n, max_n]); [] if none occurs."""
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = tokens[size - n :]
+        # Windows starting at 0 .. size - n - 1: each is followed by at least one token, and none is
+        # the suffix itself.
+        windows = sliding_window_view(tokens[: size - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
+        out = []
+        for request, k in zip(requests, max_tokens):
+            ids = request.all_token_ids[-SEARCH_WINDOW:]
+            out.append(find_continuation(np.asarray(ids, dtype=np.int64), self.min_n, self.max_n, k) if k else [])
+        return out
+
+    def release(self, request_id: str) -> None:
+        pass  # stateless
+
+    def check_idle(self) -> None:
+        pass
