@@ -27,7 +27,6 @@ from tokenmill.kvcache.page_pool import PagePool
 from tokenmill.model.runner import ModelRunner, SeqChunk
 from tokenmill.sample.logprobs import TokenLogprobs, prompt_logprobs
 from tokenmill.sample.sampler import Sampler
-from tokenmill.sample.sampling_batch import SamplingBatch
 from tokenmill.sample.sampling_params import SamplingParams
 from tokenmill.sample.speculative import accepted_run, verification_batch
 
