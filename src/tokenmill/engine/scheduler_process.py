@@ -169,6 +169,10 @@ class SchedulerLoop:
             generation_tokens_total=s.get("generation_tokens_total", 0),
             prefix_cache_hit_tokens_total=s.get("prefix_cache_hit_tokens", s.get("prefix_cache_hit_tokens_total", 0)),
             num_preemptions=s.get("num_preemptions", 0),
+            spec_decode_num_drafts_total=s.get("spec_decode_num_drafts_total", 0),
+            spec_decode_num_draft_tokens_total=s.get("spec_decode_num_draft_tokens_total", 0),
+            spec_decode_num_accepted_tokens_total=s.get("spec_decode_num_accepted_tokens_total", 0),
+            spec_decode_num_emitted_tokens_total=s.get("spec_decode_num_emitted_tokens_total", 0),
         ))
         self._last_stats = now
         self._stats_dirty = not idle

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import PRECISIONS, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
 from tokenmill.errors import TokenmillError
 
 
@@ -32,12 +32,39 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=d.enable_prefix_caching, help="reuse cached KV of shared prompt prefixes (default: on)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="compute every prompt in full; nothing is cached")
+    s = SpeculativeConfig()
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-method", choices=list(SPECULATIVE_METHODS), default=None,
+                   help="ngram: prompt lookup; draft: a smaller model (or the target itself in a cheaper form) "
+                        "proposes; off by default")
+    g.add_argument("--num-speculative-tokens", type=int, default=s.num_speculative_tokens)
+    g.add_argument("--prompt-lookup-max", type=int, default=s.prompt_lookup_max)
+    g.add_argument("--prompt-lookup-min", type=int, default=s.prompt_lookup_min)
+    g.add_argument("--speculative-model", default=None, help="draft model (default: the target's own file)")
+    g.add_argument("--speculative-draft-precision", choices=list(PRECISIONS), default=s.draft_precision)
+    g.add_argument("--speculative-draft-quantization", choices=["auto", "none", "int8", "int4"],
+                   default=s.draft_quantization)
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=s.disable_by_batch_size,
+                   help="no speculation in steps with this many running requests")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
             "precision", "quantization", "num_threads", "seed", "enable_prefix_caching")
-    return {k: getattr(args, k) for k in keys}
+    kwargs = {k: getattr(args, k) for k in keys}
+    if getattr(args, "speculative_method", None):
+        model = args.speculative_model
+        kwargs["speculative"] = SpeculativeConfig(
+            method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            prompt_lookup_max=args.prompt_lookup_max,
+            prompt_lookup_min=args.prompt_lookup_min,
+            model=os.path.abspath(os.path.expanduser(model)) if model else None,
+            draft_precision=args.speculative_draft_precision,
+            draft_quantization=args.speculative_draft_quantization,
+            disable_by_batch_size=args.speculative_disable_by_batch_size,
+        )
+    return kwargs
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -139,6 +139,12 @@ class SchedulerStats(msgspec.Struct, tag=True):
     generation_tokens_total: int
     prefix_cache_hit_tokens_total: int
     num_preemptions: int
+    # Speculative decoding (zero when off): verified rows with drafts, draft tokens verified, accepted,
+    # and the tokens those rows emitted.
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_emitted_tokens_total: int = 0
 
 
 ToScheduler = AddRequest | AbortRequest | FinishRequest

@@ -16,6 +16,11 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.llama import LlamaForCausalLM
 
 
+# Chunks up to this many tokens are attended to as decode rows, one per token (speculative rows, short
+# tails of prompts); longer ones through SDPA, whose per-chunk gather of the context then pays off.
+MAX_ROWS_AS_DECODE = 16
+
+
 @dataclass
 class SeqChunk:
     token_ids: list[int]  # tokens to compute this step
@@ -55,7 +60,7 @@ class ModelRunner:
         """fp32 logits, in the order of `chunks`: `num_logits` rows (usually 1) for each chunk with
         sample=True, one row per token for a chunk with all_logits=True (see _logit_rows)."""
         # Decode rows first: attention batches them together (see attention.py).
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > MAX_ROWS_AS_DECODE)
         ordered = [chunks[i] for i in order]
         input_ids, positions, meta, last_rows = self._prepare(ordered)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
@@ -89,7 +94,7 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
-        decode = [c for c in chunks if len(c.token_ids) == 1]
+        decode = [c for c in chunks if len(c.token_ids) <= MAX_ROWS_AS_DECODE]
         for c in chunks:
             token_ids.extend(c.token_ids)
             positions.extend(range(c.start, c.start + len(c.token_ids)))
@@ -98,16 +103,22 @@ class ModelRunner:
         self._zero_new_pages(max(max(c.pages) for c in chunks) + 1)
 
         table = decode_mask = lengths = None
+        nd = 0
         if decode:
-            nd = len(decode)
-            lengths = torch.tensor([c.start + 1 for c in decode])
-            max_pages = -(-int(lengths.max()) // size)
-            table = torch.tensor([c.pages[:max_pages] + [0] * (max_pages - len(c.pages[:max_pages])) for c in decode])
+            # Each token of a short chunk is a decode row of its own: the token at position p attends
+            # to positions 0..p of its sequence, through the sequence's block table (the C++ kernel
+            # reads pages in place; SDPA would gather the whole context per layer first).
+            row_lengths = [c.start + i + 1 for c in decode for i in range(len(c.token_ids))]
+            nd = len(row_lengths)
+            lengths = torch.tensor(row_lengths)
+            max_pages = -(-max(row_lengths) // size)
+            page_rows = [c.pages[:max_pages] + [0] * (max_pages - len(c.pages[:max_pages])) for c in decode]
+            table = torch.tensor([page_rows[j] for j, c in enumerate(decode) for _ in c.token_ids])
             last = lengths - 1
             slot_parts.append(table[torch.arange(nd), last // size] * size + last % size)
 
         prefills: list[PrefillSpan] = []
-        row = len(decode)
+        row = nd
         for c in chunks[len(decode):]:
             kv_len = c.start + len(c.token_ids)
             pages = torch.tensor(c.pages[: -(-kv_len // size)])
@@ -118,7 +129,7 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts),
-            num_decode=len(decode),
+            num_decode=nd,
             page_size=size,
             decode_block_table=table,
             decode_mask=decode_mask,

@@ -81,3 +81,23 @@ class _EngineCollector:
         yield CounterMetricFamily("tokenmill:generation_tokens", "Tokens generated",
                                   value=s.generation_tokens_total)
         yield CounterMetricFamily("tokenmill:num_preemptions", "Requests preempted", value=s.num_preemptions)
+        yield from _spec_decode_metrics(s)
+
+
+def _spec_decode_metrics(s: SchedulerStats) -> Iterator[Metric]:
+    """vLLM's spec_decode_* names; the rate and the mean length are derived, as gauges."""
+    yield CounterMetricFamily("tokenmill:spec_decode_num_drafts", "Verified rows that carried draft tokens",
+                              value=s.spec_decode_num_drafts_total)
+    yield CounterMetricFamily("tokenmill:spec_decode_num_draft_tokens", "Draft tokens verified",
+                              value=s.spec_decode_num_draft_tokens_total)
+    yield CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target",
+                              value=s.spec_decode_num_accepted_tokens_total)
+    yield CounterMetricFamily("tokenmill:spec_decode_num_emitted_tokens", "Tokens emitted by rows with drafts",
+                              value=s.spec_decode_num_emitted_tokens_total)
+    drafted = s.spec_decode_num_draft_tokens_total
+    yield GaugeMetricFamily("tokenmill:spec_decode_acceptance_rate", "Accepted / verified draft tokens",
+                            value=s.spec_decode_num_accepted_tokens_total / drafted if drafted else 0.0)
+    rows = s.spec_decode_num_drafts_total
+    yield GaugeMetricFamily("tokenmill:spec_decode_mean_accepted_length",
+                            "Tokens per verified row with drafts (accepted + 1)",
+                            value=1 + s.spec_decode_num_accepted_tokens_total / rows if rows else 0.0)
