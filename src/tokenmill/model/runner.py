@@ -15,7 +15,6 @@ from tokenmill.model.attention import AttentionMetadata, PrefillSpan
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.llama import LlamaForCausalLM
 
-
 # Chunks up to this many tokens are attended to as decode rows, one per token (speculative rows, short
 # tails of prompts); longer ones through SDPA, whose per-chunk gather of the context then pays off.
 MAX_ROWS_AS_DECODE = 16
