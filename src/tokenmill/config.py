@@ -60,6 +60,12 @@ class SpeculativeConfig:
                 f"draft_quantization must be one of {QUANTIZATIONS}, got {self.draft_quantization!r}",
                 param="draft_quantization",
             )
+        if self.draft_precision == "exact" and self.draft_quantization in ("int8", "int4"):
+            raise InvalidRequest(
+                f"draft_quantization {self.draft_quantization!r} needs draft_precision 'fast' (an exact draft "
+                "computes its file's own weights in fp32: use draft_quantization 'auto')",
+                param="draft_quantization",
+            )
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

@@ -193,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_throughput_parser(bench, add_engine_args)
     from tokenmill.entrypoints.bench_latency import add_latency_parser
+    from tokenmill.entrypoints.bench_spec import add_spec_parser
 
     add_latency_parser(bench, add_engine_args)
+    add_spec_parser(bench, add_engine_args)
     from tokenmill.entrypoints.bench_serve import add_serve_parser
 
     add_serve_parser(bench)

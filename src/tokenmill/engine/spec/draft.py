@@ -150,13 +150,11 @@ def build_draft_proposer(config: EngineConfig, target_vocab_size: int) -> DraftM
     spec = config.speculative
     if spec is None:
         raise ValueError("build_draft_proposer needs config.speculative")
-    if spec.draft_precision == "exact" and spec.draft_quantization in ("int8", "int4"):
-        raise InvalidRequest(
-            f"draft_quantization {spec.draft_quantization!r} needs draft_precision 'fast' (an exact draft "
-            "computes its file's own weights in fp32: use draft_quantization 'auto')",
-            param="draft_quantization",
-        )
     path = spec.model or config.model or default_model_path()
+    if path == (config.model or default_model_path()) and (spec.draft_precision, spec.draft_quantization) == (
+        config.precision, config.quantization
+    ):
+        logger.warning("the draft is the target itself at the same precision: it will accept everything and save nothing")
     loaded = load_weights(path)
     mc = loaded.config
     if mc.vocab_size != target_vocab_size:
