@@ -52,6 +52,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.cli import engine_kwargs  # cli imports this module: a top-level import cycles
     from tokenmill.entrypoints.llm import LLM
 
+    if not os.path.isfile(args.dataset):  # before two model loads, not after
+        raise SystemExit(f"error: no workload at {args.dataset} (pass --dataset)")
     kwargs = engine_kwargs(args)
     spec = kwargs.pop("speculative", None) or SpeculativeConfig(method="ngram")
     engines = {"off": LLM(args.model, **kwargs), "on": LLM(args.model, speculative=spec, **kwargs)}
@@ -115,8 +117,6 @@ def cmd_spec(args: argparse.Namespace) -> int:
 
 def load_prompts(path: str, llm: Any) -> list[list[int]]:
     """Token ids of each line's chat (through the model's template) or text prompt."""
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: no workload at {path} (pass --dataset)")
     prompts = []
     with open(path) as f:
         for n, line in enumerate(f, 1):

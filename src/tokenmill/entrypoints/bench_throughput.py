@@ -226,6 +226,10 @@ def _print_report(report: dict) -> None:
     if "ratio_output_tokens_per_s" in report:
         print(f"tokenmill / transformers output tokens/s: {report['ratio_output_tokens_per_s']:.2f}x")
     print("FLOPs: layer matmuls on every computed position + lm_head on sampled ones; attention excluded.")
+    st = report["tokenmill_engine_stats"]
+    if st.get("spec_decode_num_drafts_total"):
+        print(f"speculative decoding: {st['spec_decode_num_draft_tokens_total']} draft tokens, acceptance "
+              f"{st['spec_decode_acceptance_rate']:.2f}, mean accepted length {st['spec_decode_mean_accepted_length']:.2f}")
     for name, r in report["results"].items():
         for error in r["errors"]:
             print(f"error ({name}): {error}", file=sys.stderr)
