@@ -88,20 +88,27 @@ def test_bad_shapes_are_errors_not_wild_reads():
         quantize_int8(torch.randn(4, 40))
 
 
-def int8_activation_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+def int8_activation_reference(x: torch.Tensor, qw: QuantizedWeight, terms: int = 1) -> torch.Tensor:
     """What the VNNI path computes: activations rounded to int8 per group of 32 (scale amax / 127),
-    integer dot products with the codes, then the weight and activation scales, plus the min term
-    over the same rounded activations."""
+    with terms=2 the rounding residual rounded again with its own scale; integer dot products with
+    the codes, then the weight and activation scales, plus the min term over the same rounded
+    activations."""
     n, k = qw.shape
-    xg = x.view(x.shape[0], k // 32, 32)
-    amax = xg.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros(()))
-    xq = torch.round(xg * inv).clamp(-128, 127)
+    rest = x.view(x.shape[0], k // 32, 32)
     codes = qw._codes_by_group().double()  # [N, G, 32] (int8 codes are signed)
-    dots = torch.einsum("mgj,ngj->mng", xq.double(), codes)
-    out = (dots * qw.scales.double().unsqueeze(0) * (amax / 127).double().transpose(1, 2)).sum(-1)
+    out = torch.zeros(x.shape[0], n, dtype=torch.float64)
+    qsum = torch.zeros(x.shape[0], k // 32, dtype=torch.float64)
+    for _ in range(terms):
+        amax = rest.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros(()))
+        xq = torch.round(rest * inv).clamp(-128, 127)
+        scale = amax / 127
+        dots = torch.einsum("mgj,ngj->mng", xq.double(), codes)
+        out += (dots * qw.scales.double().unsqueeze(0) * scale.double().transpose(1, 2)).sum(-1)
+        qsum += xq.sum(-1).double() * scale.squeeze(-1).double()
+        rest = (rest.double() - xq.double() * scale.double()).float()  # the kernel's fused multiply-add
     if qw.mins is not None:
-        out += (xq.sum(-1) * (amax / 127).squeeze(-1)).double() @ qw.mins.double().T
+        out += qsum @ qw.mins.double().T
     return out
 
 
@@ -125,3 +132,41 @@ def test_blocked_vnni_kernel_matches_int8_activation_reference(kind, rows):
     assert torch.equal(quant_kernel.blocked_dequantize_bf16(blocked), qw.dequantize().bfloat16())
     with pytest.raises(ValueError, match="multiple of 16"):
         to_blocked(gguf_weight(kind, 40, 64)[0])
+
+
+@pytest.mark.skipif(not quant_kernel.vnni_available(), reason="no AVX512-VNNI here")
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [*range(1, 18), 24, 31, 33, 48, 64])
+@pytest.mark.parametrize("k", [96, 160, 256])
+def test_blocked_vnni_kernel_every_row_tiling(kind, rows, k):
+    # Rows run in tiles of up to 8 (9 = 5 + 4, 17 = 6 + 6 + 5, ...) and activations are rounded four
+    # groups at a time: K = 96 (3 groups) takes only the one-group path, 160 both, 256 only the other.
+    qw, _ = gguf_weight(kind, 48, k, seed=rows)
+    blocked = to_blocked(qw)
+    x = torch.randn(rows, k)
+    x[0, :32] = 0  # a group of zeros: scale 0, not a division by zero
+    for terms in (1, 2):
+        expected = int8_activation_reference(x, qw, terms)
+        got = quant_kernel.blocked_linear(x, blocked, terms=terms)
+        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not quant_kernel.vnni_available(), reason="no AVX512-VNNI here")
+@pytest.mark.parametrize("rows", [1, 5, 33, 64, 400])
+def test_blocked_vnni_kernel_split_across_threads(rows):
+    # Enough columns for the threads to split the blocks, from 16 rows the rows (each thread rounds
+    # its own), 400 rows a scratch buffer too large to keep: the result must not depend on the number
+    # of threads.
+    qw, _ = gguf_weight("Q4_0", 512, 1024, seed=rows)
+    blocked = to_blocked(qw)
+    x = torch.randn(rows, 1024)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant_kernel.blocked_linear(x, blocked)
+        torch.set_num_threads(2)
+        two = quant_kernel.blocked_linear(x, blocked)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(two.double(), int8_activation_reference(x, qw, terms=2), atol=1e-4, rtol=1e-4)
