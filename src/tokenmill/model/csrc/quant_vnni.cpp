@@ -228,9 +228,12 @@ TV_TARGET void tile(const Weights& w, const Acts& a, int64_t N, int64_t m0, int6
   const float* qsum = a.qsum + m0;
   const int32_t* nsum128 = a.nsum128 + m0 * Terms;
   for (int64_t g = 0; g < G; ++g) {
-    // 2 kB ahead: with the weights streamed from memory, as in a real step, 1-2 rows ran ~15% faster.
+    // 2 kB ahead: with the weights streamed from memory, as in a real step, int4 layers ran ~15%
+    // faster at 1-2 rows. The int8 lm_head at 1-2 rows is bound by bandwidth alone and ran ~10%
+    // slower with it (from 3 rows, where compute has to overlap the reads, 1.5x faster at 8).
+    constexpr int kPrefetchLines = Bits == 4 || R > 2 ? kBytes / 64 : 0;
 #pragma GCC unroll 8
-    for (int l = 0; l < kBytes / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + 2048 + l * 64), _MM_HINT_T0);
+    for (int l = 0; l < kPrefetchLines; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + 2048 + l * 64), _MM_HINT_T0);
     __m512i dot[R][Terms];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
