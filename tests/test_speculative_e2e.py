@@ -107,3 +107,10 @@ def test_structured_output_unchanged():
     assert on.stats()["spec_decode_num_draft_tokens_total"] > 0
     assert_idle(on)
     assert not on.engine._matchers
+
+
+def test_ngram_each_prompt_alone():
+    llm = make_llm(speculative=ngram(3))
+    for case in cases():
+        assert_all_match(llm, [case])
+    assert_idle(llm)

@@ -223,3 +223,18 @@ def test_randomized_run_with_aborts_stop_strings_and_preemptions():
         assert got[rid] == reference_output(p, n, VOCAB)
     assert engine.pool.num_free + engine.scheduler.num_cached_pages == engine.pool.num_pages
     assert engine.stats()["num_preemptions"] > 0
+
+
+def test_seeded_sampled_rows_are_reproducible_with_speculation():
+    def run() -> dict[str, list[int]]:
+        engine, _ = spec_engine(3, 0.2)
+        for i, p in enumerate(prompts(4, seed=9)):
+            params = SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=20, ignore_eos=True)
+            engine.add_request(str(i), p, params)
+        out = run_to_completion(engine)
+        assert engine.stats()["spec_decode_num_draft_tokens_total"] > 0
+        return out
+
+    first = run()
+    assert first == run()
+    assert all(len(v) == 20 for v in first.values())
