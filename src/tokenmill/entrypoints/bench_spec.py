@@ -54,8 +54,9 @@ def cmd_spec(args: argparse.Namespace) -> int:
 
     if not os.path.isfile(args.dataset):  # before two model loads, not after
         raise SystemExit(f"error: no workload at {args.dataset} (pass --dataset)")
+    args.speculative_method = args.speculative_method or "ngram"  # so the other --speculative flags apply
     kwargs = engine_kwargs(args)
-    spec = kwargs.pop("speculative", None) or SpeculativeConfig(method="ngram")
+    spec: SpeculativeConfig = kwargs.pop("speculative")
     engines = {"off": LLM(args.model, **kwargs), "on": LLM(args.model, speculative=spec, **kwargs)}
     prompts = load_prompts(args.dataset, engines["off"])
     settings = run_settings(engines["off"].config.threads)
