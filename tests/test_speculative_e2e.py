@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.real_model import make_llm
-from tests.test_fidelity import assert_all_match, cases, greedy_params
+from tests.test_fidelity import assert_all_match, cases
 from tokenmill.sample.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
