@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -75,6 +76,9 @@ struct Args {
   int64_t hd;
   float scale;
   float* out;  // [nd, num_heads, hd]
+  // Work units: unit u is rows units[2u] .. units[2u] + units[2u + 1] - 1, a run of one sequence's
+  // consecutive rows (see attend_run_items) or a single row; work item = (unit, KV head).
+  const int64_t* units;
 };
 
 // Softmax numerators of the scores s[g, 0..len-1] in place (not normalised), and 1 / their sum in
@@ -258,6 +262,9 @@ TM_INLINE void prefetch_page(const void* p, int64_t n_bytes) {
 // Pages are read this far ahead: a sequence's pages lie anywhere in the pool, where the hardware
 // prefetchers cannot follow (measured ~1.6x faster than no software prefetch on random tables).
 constexpr int64_t kPrefetchPages = 4;
+
+// Longest run of one sequence's rows computed as one work item (the runner sends at most 16).
+constexpr int64_t kMaxRunRows = 16;
 
 template <typename T, int HD, int W>
 TM_INLINE void attend_one_vec(const Args& a, int64_t seq, int64_t kvh, float* __restrict scores) {
@@ -462,27 +469,177 @@ TM_INLINE bool attend_grouped(const Args& a, int64_t seq, int64_t kvh, float* sc
   }
 }
 
+// A run of R consecutive rows of one sequence (speculative decoding sends its draft tokens as
+// decode rows): identical block tables and lengths len0, len0 + 1, ..., len0 + R - 1, so row r
+// attends to positions 0..len0 + r - 1. One item per (run, KV head) computes all J = R x G query
+// vectors (j = r * G + g) like a small matrix product, each K/V page read and widened once:
+//  - scores position-major, st[pos][j], one vector of W query vectors per position: Q is
+//    transposed once into qt[d][j], and st[pos] = sum_d qt[d] * k[pos][d] (k broadcast), so no
+//    horizontal sums and no per-row K loads; the K page is widened to fp32 into kbuf first;
+//  - a softmax down each lane, positions past a row's own length masked out (weight 0);
+//  - out[j] = sum_pos st[pos][j] * v[pos], four query vectors at a time sharing each V row.
+// The kernel is bound by multiply-adds, which per-row items repeat for every row anyway; this
+// saves the per-row widening, loads and horizontal sums. Results match the per-row path's to
+// float rounding (the dot products are summed in another order).
+template <typename T, int HD, int W>
+TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t kvh, float* __restrict scratch) {
+  using V = Vec<W>;
+  constexpr int NC = HD / W;
+  constexpr int JB = 4;  // query vectors per pass of the weighted V sum
+  const int64_t G = a.group;
+  const int64_t J = R * G;
+  const int64_t JV = (J + W - 1) / W;  // vectors of query lanes
+  const int64_t JP = JV * W;  // padded lane count: the row length of st and qt
+  const int64_t len0 = a.lens[row0];
+  const int64_t lmax = len0 + R - 1;
+  const int64_t page_size = a.page_size;
+  const int64_t slot_stride = a.slot_stride;
+  const float scale = a.scale;
+  const T* kbase = static_cast<const T*>(a.k) + kvh * a.head_stride;
+  const T* vbase = static_cast<const T*>(a.v) + kvh * a.head_stride;
+  const int64_t* pages = a.table + (row0 + R - 1) * a.max_pages;
+  const int64_t num_pages = (lmax + page_size - 1) / page_size;
+  const int64_t page_elems = page_size * slot_stride;
+  const int64_t page_bytes = ((page_size - 1) * slot_stride + HD) * static_cast<int64_t>(sizeof(T));
+
+  float* __restrict st = scratch;  // [lmax][JP]
+  float* __restrict qt = st + lmax * JP;  // [HD][JP]
+  float* __restrict accb = qt + HD * JP;  // [JP][HD]
+  float* __restrict stat = accb + JP * HD;  // [2][JP]: max, then 1 / sum
+  float* __restrict kbuf = stat + 2 * JP;  // [page_size][HD]
+
+  for (int64_t j = 0; j < JP; ++j) {
+    const float* q = a.q + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
+    for (int d = 0; d < HD; ++d) qt[d * JP + j] = j < J ? q[d] : 0.0f;
+  }
+
+  auto widen = [&](const T* src, int64_t n) {
+    for (int64_t t = 0; t < n; ++t)
+      for (int c = 0; c < NC; ++c) storev<W>(kbuf + t * HD + W * c, loadv<W>(src + t * slot_stride + W * c));
+  };
+
+  for (int64_t p = 0; p < std::min(kPrefetchPages, num_pages); ++p) prefetch_page(kbase + pages[p] * page_elems, page_bytes);
+  for (int64_t p = 0; p < num_pages; ++p) {
+    if (p + kPrefetchPages < num_pages) prefetch_page(kbase + pages[p + kPrefetchPages] * page_elems, page_bytes);
+    const int64_t first = p * page_size;
+    const int64_t n = std::min(page_size, lmax - first);
+    widen(kbase + pages[p] * page_elems, n);
+    for (int64_t jv = 0; jv < JV; ++jv) {
+      const float* __restrict qv = qt + jv * W;
+      float* __restrict sv = st + first * JP + jv * W;
+      int64_t t = 0;
+      for (; t + 8 <= n; t += 8) {
+        V acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = V{};
+        for (int d = 0; d < HD; ++d) {
+          const V x = loadv<W>(qv + d * JP);
+          for (int i = 0; i < 8; ++i) acc[i] += x * kbuf[(t + i) * HD + d];
+        }
+        for (int i = 0; i < 8; ++i) storev<W>(sv + (t + i) * JP, acc[i] * scale);
+      }
+      for (; t < n; ++t) {
+        V acc = V{};
+        for (int d = 0; d < HD; ++d) acc += loadv<W>(qv + d * JP) * kbuf[t * HD + d];
+        storev<W>(sv + t * JP, acc * scale);
+      }
+    }
+  }
+
+  // Softmax down each lane j over positions 0..len0 + j / G - 1.
+  for (int64_t j = 0; j < JP; ++j) stat[j] = st[j];
+  for (int64_t t = 1; t < lmax; ++t) {
+    const float* __restrict s = st + t * JP;
+    const int64_t lo = t < len0 ? 0 : std::min((t - len0 + 1) * G, JP);  // lanes below lo end before t
+#pragma omp simd
+    for (int64_t j = lo; j < JP; ++j) stat[j] = s[j] > stat[j] ? s[j] : stat[j];
+  }
+  float* __restrict sum = stat + JP;
+  for (int64_t j = 0; j < JP; ++j) sum[j] = 0.0f;
+  for (int64_t t = 0; t < lmax; ++t) {
+    float* __restrict s = st + t * JP;
+#pragma omp simd
+    for (int64_t j = 0; j < JP; ++j) {
+      const float e = exp_nonpos(s[j] - stat[j]);
+      s[j] = e;
+    }
+    if (t >= len0) {
+      const int64_t jmin = (t - len0 + 1) * G;
+      for (int64_t j = 0; j < std::min(jmin, JP); ++j) s[j] = 0.0f;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < JP; ++j) sum[j] += s[j];
+  }
+
+  std::fill(accb, accb + JP * HD, 0.0f);
+  for (int64_t p = 0; p < std::min(kPrefetchPages, num_pages); ++p) prefetch_page(vbase + pages[p] * page_elems, page_bytes);
+  for (int64_t p = 0; p < num_pages; ++p) {
+    if (p + kPrefetchPages < num_pages) prefetch_page(vbase + pages[p + kPrefetchPages] * page_elems, page_bytes);
+    const int64_t first = p * page_size;
+    const int64_t n = std::min(page_size, lmax - first);
+    widen(vbase + pages[p] * page_elems, n);
+    for (int64_t j0 = 0; j0 < J; j0 += JB) {
+      V acc[JB][NC];
+      for (int jj = 0; jj < JB; ++jj)
+        for (int c = 0; c < NC; ++c) acc[jj][c] = loadv<W>(accb + (j0 + jj) * HD + W * c);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* __restrict s = st + (first + t) * JP + j0;
+        V v[NC];
+        for (int c = 0; c < NC; ++c) v[c] = loadv<W>(kbuf + t * HD + W * c);
+        for (int jj = 0; jj < JB; ++jj) {
+          const float w = s[jj];
+          for (int c = 0; c < NC; ++c) acc[jj][c] += w * v[c];
+        }
+      }
+      for (int jj = 0; jj < JB; ++jj)
+        for (int c = 0; c < NC; ++c) storev<W>(accb + (j0 + jj) * HD + W * c, acc[jj][c]);
+    }
+  }
+  for (int64_t j = 0; j < J; ++j) {
+    float* __restrict out = a.out + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
+    const float inv = 1.0f / sum[j];
+    for (int c = 0; c < NC; ++c) storev<W>(out + W * c, loadv<W>(accb + j * HD + W * c) * inv);
+  }
+}
+
+// Scratch floats attend_run_items needs (for any W up to 16).
+inline int64_t run_scratch(int64_t rows, int64_t group, int64_t len_last, int64_t hd, int64_t page_size) {
+  const int64_t jp = (rows * group + 15) / 16 * 16;
+  return jp * (len_last + 2 + 2 * hd) + page_size * hd;
+}
+
 // W: vector width in floats of the variant (16 for AVX-512, else 8).
+template <typename T, int W>
+TM_INLINE void attend_row(const Args& a, int64_t seq, int64_t kvh, float* scores, float* acc) {
+  switch (a.hd) {
+    case 64:
+      if (!attend_grouped<T, 64, W>(a, seq, kvh, scores)) attend_one_vec<T, 64, W>(a, seq, kvh, scores);
+      break;
+    case 128:
+      if (!attend_grouped<T, 128, W>(a, seq, kvh, scores)) attend_one_vec<T, 128, W>(a, seq, kvh, scores);
+      break;
+    case 32:
+      attend_one_vec<T, 32, W>(a, seq, kvh, scores);
+      break;
+    case 16:
+      attend_one_vec<T, 16, W>(a, seq, kvh, scores);
+      break;
+      default:
+      attend_one_scalar<T>(a, seq, kvh, scores, acc);  // any other head_dim: plain loops
+  }
+}
+
+
 template <typename T, int W>
 TM_INLINE void attend_range(const Args& a, int64_t begin, int64_t end, float* scores, float* acc) {
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t seq = item / a.kv_heads, kvh = item % a.kv_heads;
-    switch (a.hd) {
-      case 64:
-        if (!attend_grouped<T, 64, W>(a, seq, kvh, scores)) attend_one_vec<T, 64, W>(a, seq, kvh, scores);
-        break;
-      case 128:
-        if (!attend_grouped<T, 128, W>(a, seq, kvh, scores)) attend_one_vec<T, 128, W>(a, seq, kvh, scores);
-        break;
-      case 32:
-        attend_one_vec<T, 32, W>(a, seq, kvh, scores);
-        break;
-      case 16:
-        attend_one_vec<T, 16, W>(a, seq, kvh, scores);
-        break;
-      default:
-        attend_one_scalar<T>(a, seq, kvh, scores, acc);  // any other head_dim: plain loops
+    const int64_t unit = item / a.kv_heads, kvh = item % a.kv_heads;
+    const int64_t seq = a.units[2 * unit], rows = a.units[2 * unit + 1];
+    if (rows > 1 && 2 * rows * a.group > W) {  // runs are only formed for head_dim 64 or 128
+      if (a.hd == 64) attend_run_items<T, 64, W>(a, seq, rows, kvh, scores);
+      else attend_run_items<T, 128, W>(a, seq, rows, kvh, scores);
+      continue;
     }
+    for (int64_t row = seq; row < seq + rows; ++row) attend_row<T, W>(a, row, kvh, scores, acc);
   }
 }
 
@@ -559,8 +716,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t pool_pages = num_slots / page_size;
   const int64_t* table_ptr = table.data_ptr<int64_t>();
   const int64_t* lens_ptr = lens.data_ptr<int64_t>();
-  int64_t max_len = 0;
-  // Validate every page id that will be read, so a bad table is an error, not a wild read.
+  // Validate every page id that will be read, so a bad table is an error, not a wild read. Rows
+  // that continue the previous row's sequence by one token (length + 1, the same pages) join its
+  // run (speculative decoding's draft tokens), for head dims and groups the run path covers.
+  const int64_t group = num_heads / kv_heads;
+  const bool runs_ok = hd == 64 || hd == 128;
+  std::vector<int64_t> units;
+  units.reserve(static_cast<size_t>(2 * nd));
+  int64_t scores_size = 1;
   for (int64_t s = 0; s < nd; ++s) {
     const int64_t len = lens_ptr[s];
     TORCH_CHECK(len >= 0 && len <= max_pages * page_size, "seq_lens[", s, "] = ", len,
@@ -571,8 +734,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
       TORCH_CHECK(page >= 0 && page < pool_pages, "block_table[", s, ", ", p, "] = ", page,
                   " is outside the pool of ", pool_pages, " pages");
     }
-    max_len = std::max(max_len, len);
+    if (runs_ok && s > 0 && units.back() < kMaxRunRows && lens_ptr[s - 1] > 0 && len == lens_ptr[s - 1] + 1) {
+      const int64_t prev_used = (lens_ptr[s - 1] + page_size - 1) / page_size;
+      if (std::memcmp(table_ptr + (s - 1) * max_pages, table_ptr + s * max_pages,
+                      static_cast<size_t>(prev_used) * sizeof(int64_t)) == 0) {
+        const int64_t rows = ++units.back();
+        scores_size = std::max(scores_size, run_scratch(rows, group, len, hd, page_size));
+        continue;
+      }
+    }
+    units.push_back(s);
+    units.push_back(1);
+    scores_size = std::max(scores_size, group * (len + 1));
   }
+  const int64_t num_units = static_cast<int64_t>(units.size()) / 2;
 
   at::Tensor out = at::empty({nd, num_heads, hd}, q.options());
   if (nd == 0 || num_heads == 0 || hd == 0) return out;
@@ -593,11 +768,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   a.hd = hd;
   a.scale = static_cast<float>(scale);
   a.out = out.data_ptr<float>();
+  a.units = units.data();
 
   const RangeFn fn = pick(selected_isa(isa), bf16);
-  at::parallel_for(0, nd * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(a.group * (std::max<int64_t>(max_len, 1) + 1)));
-    std::vector<float> acc(static_cast<size_t>(a.group * hd));
+  at::parallel_for(0, num_units * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(scores_size));
+    std::vector<float> acc(static_cast<size_t>(group * hd));
     fn(a, begin, end, scores.data(), acc.data());
   });
   return out;
