@@ -184,3 +184,55 @@ def test_missing_compiler_falls_back(monkeypatch, tmp_path, caplog):
     with caplog.at_level("WARNING", logger=kernel.__name__):
         assert kernel.available() is False
     assert any("no C++ compiler" in r.getMessage() for r in caplog.records)
+
+
+def make_runs(runs, kv_heads, group, head_dim, page_size, seed=0, dtype=torch.float32):
+    """Rows as speculative decoding sends them: for each (start, n), n rows of one sequence with the
+    same block table and lengths start + 1 .. start + n; n = 0 is one independent row of `start`."""
+    lengths, owners = [], []
+    for i, (start, n) in enumerate(runs):
+        for r in range(max(n, 1)):
+            lengths.append(start + r + 1 if n else start)
+            owners.append(i)
+    seq_lengths = [start + max(n, 1) for start, n in runs]
+    q, k_cache, v_cache, table, _ = make_case(seq_lengths, kv_heads, group, head_dim, page_size, seed, dtype)
+    q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=torch.Generator().manual_seed(seed + 1)) * 3
+    return q, k_cache, v_cache, table[owners].contiguous(), torch.tensor(lengths, dtype=torch.long)
+
+
+RUN_CASES = [
+    # runs (start, n), kv_heads, group, head_dim, page_size
+    ([(450, n)], 3, 3, 64, 16) for n in range(1, 10)
+] + [
+    ([(15, 3), (40, 0), (31, 9), (7, 0), (100, 5)], 3, 3, 64, 16),  # page boundaries; independent rows between
+    ([(1, 2), (16, 4), (200, 16), (63, 7)], 2, 1, 64, 8),  # MHA: runs of one lane per row
+    ([(0, 9), (47, 6), (5, 0)], 2, 4, 128, 16),  # head_dim 128, group 4, a run from an empty cache
+    ([(30, 5), (30, 5)], 1, 6, 64, 4),  # two sequences of the same length: two runs, group 6
+    ([(300, 8), (2, 3)], 2, 2, 128, 32),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("runs,kv_heads,group,head_dim,page_size", RUN_CASES)
+def test_runs_of_one_sequence_match_rows(built, dtype, runs, kv_heads, group, head_dim, page_size):
+    """Consecutive rows of one sequence (shared K/V reads, masked to each row's length) give what
+    the rows give one at a time, and the float64 reference, on every variant and thread count."""
+    q, k_cache, v_cache, table, lens = make_runs(runs, kv_heads, group, head_dim, page_size, seed=len(runs), dtype=dtype)
+    scale = head_dim**-0.5
+    ref = naive(q, k_cache.float(), v_cache.float(), table, lens, page_size, scale)
+    threads = torch.get_num_threads()
+    try:
+        for isa in range(kernel.best_isa() + 1):
+            rows = [
+                kernel.paged_decode_attention(q[i : i + 1], k_cache, v_cache, table[i : i + 1], lens[i : i + 1], page_size, scale, isa=isa)
+                for i in range(len(lens))
+            ]
+            one_by_one = torch.cat(rows)  # one row per call: never a run
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                out = kernel.paged_decode_attention(q, k_cache, v_cache, table, lens, page_size, scale, isa=isa)
+                msg = lambda m, isa=isa, n=n: f"isa {isa}, {n} threads: {m}"  # noqa: E731
+                torch.testing.assert_close(out, one_by_one, atol=2e-5, rtol=1e-5, msg=msg)
+                torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, msg=msg)
+    finally:
+        torch.set_num_threads(threads)

@@ -6,6 +6,9 @@
 // Query heads that share a KV head are adjacent (HF's repeat_kv order): query head h uses KV head
 // h / group.
 //
+// Consecutive rows of one sequence (speculative decoding's draft tokens: same block table, lengths
+// +1 each) are detected and computed together, see attend_run_items.
+//
 // Work item = (sequence, KV head), spread over threads with at::parallel_for. Each item computes,
 // for the `group` query heads of that KV head: scores over positions 0..len-1, walking the block
 // table page by page; a two-pass softmax in fp32 (max subtracted); the probability-weighted sum of
@@ -76,9 +79,11 @@ struct Args {
   int64_t hd;
   float scale;
   float* out;  // [nd, num_heads, hd]
-  // Work units: unit u is rows units[2u] .. units[2u] + units[2u + 1] - 1, a run of one sequence's
-  // consecutive rows (see attend_run_items) or a single row; work item = (unit, KV head).
-  const int64_t* units;
+  // Work items, kItemFields each: first row, rows (> 1: a run of one sequence's consecutive rows,
+  // see attend_run_items), KV head, part, parts (a run's pages may be split between items), and the
+  // offset of the item's partial results in `partial` (parts > 1 only).
+  const int64_t* items;
+  float* partial;
 };
 
 // Softmax numerators of the scores s[g, 0..len-1] in place (not normalised), and 1 / their sum in
@@ -172,6 +177,8 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
 template <int W>
 struct VecT;
@@ -265,6 +272,7 @@ constexpr int64_t kPrefetchPages = 4;
 
 // Longest run of one sequence's rows computed as one work item (the runner sends at most 16).
 constexpr int64_t kMaxRunRows = 16;
+constexpr int64_t kItemFields = 6;
 
 template <typename T, int HD, int W>
 TM_INLINE void attend_one_vec(const Args& a, int64_t seq, int64_t kvh, float* __restrict scores) {
@@ -469,6 +477,30 @@ TM_INLINE bool attend_grouped(const Args& a, int64_t seq, int64_t kvh, float* sc
   }
 }
 
+// exp_nonpos on W lanes (the same steps).
+template <int W>
+TM_INLINE Vec<W> exp_nonpos_v(Vec<W> x) {
+  using V = Vec<W>;
+  using VI = std::conditional_t<W == 16, v16i, v8i>;
+  const V lowest = V{} - 87.0f;
+  x = x < lowest ? lowest : x;
+  const V shifter = V{} + 12582912.0f;
+  const V t = x * 1.44269504088896341f + shifter;
+  const V n = t - shifter;
+  const VI ni = reinterpret_cast<VI>(t) - reinterpret_cast<VI>(shifter);
+  V r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const V z = r * r;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * z + r + 1.0f;
+  return p * reinterpret_cast<V>((ni + 127) << 23);
+}
+
 // A run of R consecutive rows of one sequence (speculative decoding sends its draft tokens as
 // decode rows): identical block tables and lengths len0, len0 + 1, ..., len0 + R - 1, so row r
 // attends to positions 0..len0 + r - 1. One item per (run, KV head) computes all J = R x G query
@@ -482,7 +514,8 @@ TM_INLINE bool attend_grouped(const Args& a, int64_t seq, int64_t kvh, float* sc
 // saves the per-row widening, loads and horizontal sums. Results match the per-row path's to
 // float rounding (the dot products are summed in another order).
 template <typename T, int HD, int W>
-TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t kvh, float* __restrict scratch) {
+TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t kvh, int64_t part, int64_t parts,
+                                float* __restrict partial, float* __restrict scratch) {
   using V = Vec<W>;
   constexpr int NC = HD / W;
   constexpr int JB = 4;  // query vectors per pass of the weighted V sum
@@ -498,11 +531,17 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   const T* kbase = static_cast<const T*>(a.k) + kvh * a.head_stride;
   const T* vbase = static_cast<const T*>(a.v) + kvh * a.head_stride;
   const int64_t* pages = a.table + (row0 + R - 1) * a.max_pages;
-  const int64_t num_pages = (lmax + page_size - 1) / page_size;
+  const int64_t total_pages = (lmax + page_size - 1) / page_size;
+  // This item's share of the pages: all of them, or part `part` of `parts` (see run_parts).
+  const int64_t page0 = total_pages * part / parts;
+  const int64_t num_pages = total_pages * (part + 1) / parts - page0;
+  pages += page0;
+  const int64_t base = page0 * page_size;  // the first position this item covers
+  const int64_t end = std::min(lmax, base + num_pages * page_size);
   const int64_t page_elems = page_size * slot_stride;
   const int64_t page_bytes = ((page_size - 1) * slot_stride + HD) * static_cast<int64_t>(sizeof(T));
 
-  float* __restrict st = scratch;  // [lmax][JP]
+  float* __restrict st = scratch;  // [end - base][JP], row t - base for position t
   float* __restrict qt = st + lmax * JP;  // [HD][JP]
   float* __restrict accb = qt + HD * JP;  // [JP][HD]
   float* __restrict stat = accb + JP * HD;  // [2][JP]: max, then 1 / sum
@@ -521,8 +560,8 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   for (int64_t p = 0; p < std::min(kPrefetchPages, num_pages); ++p) prefetch_page(kbase + pages[p] * page_elems, page_bytes);
   for (int64_t p = 0; p < num_pages; ++p) {
     if (p + kPrefetchPages < num_pages) prefetch_page(kbase + pages[p + kPrefetchPages] * page_elems, page_bytes);
-    const int64_t first = p * page_size;
-    const int64_t n = std::min(page_size, lmax - first);
+    const int64_t first = p * page_size;  // relative to base
+    const int64_t n = std::min(page_size, end - base - first);
     widen(kbase + pages[p] * page_elems, n);
     for (int64_t jv = 0; jv < JV; ++jv) {
       const float* __restrict qv = qt + jv * W;
@@ -545,29 +584,42 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     }
   }
 
-  // Softmax down each lane j over positions 0..len0 + j / G - 1.
-  for (int64_t j = 0; j < JP; ++j) stat[j] = st[j];
-  for (int64_t t = 1; t < lmax; ++t) {
-    const float* __restrict s = st + t * JP;
-    const int64_t lo = t < len0 ? 0 : std::min((t - len0 + 1) * G, JP);  // lanes below lo end before t
-#pragma omp simd
-    for (int64_t j = lo; j < JP; ++j) stat[j] = s[j] > stat[j] ? s[j] : stat[j];
-  }
+  // Softmax down each lane j over positions 0..len0 + j / G - 1 (of those this item covers), W lanes
+  // at a time; only the last R - 1 positions, which some rows do not reach, lane by lane. A lane with
+  // none of its positions here keeps max -inf and sum 0.
   float* __restrict sum = stat + JP;
-  for (int64_t j = 0; j < JP; ++j) sum[j] = 0.0f;
-  for (int64_t t = 0; t < lmax; ++t) {
-    float* __restrict s = st + t * JP;
-#pragma omp simd
-    for (int64_t j = 0; j < JP; ++j) {
-      const float e = exp_nonpos(s[j] - stat[j]);
-      s[j] = e;
+  const int64_t full_end = std::min(end, len0);  // positions [base, full_end) are in every row
+  for (int64_t jv = 0; jv < JV; ++jv) {
+    V m = V{} - INFINITY;
+    for (int64_t t = base; t < full_end; ++t) {
+      const V x = loadv<W>(st + (t - base) * JP + jv * W);
+      m = x > m ? x : m;
     }
-    if (t >= len0) {
-      const int64_t jmin = (t - len0 + 1) * G;
-      for (int64_t j = 0; j < std::min(jmin, JP); ++j) s[j] = 0.0f;
+    storev<W>(stat + jv * W, m);
+  }
+  for (int64_t t = std::max(base, len0); t < end; ++t) {
+    const float* __restrict s = st + (t - base) * JP;
+    for (int64_t j = std::min((t - len0 + 1) * G, JP); j < JP; ++j) stat[j] = s[j] > stat[j] ? s[j] : stat[j];
+  }
+  for (int64_t jv = 0; jv < JV; ++jv) {
+    const V m = loadv<W>(stat + jv * W);
+    V total = V{};
+    for (int64_t t = base; t < full_end; ++t) {
+      float* x = st + (t - base) * JP + jv * W;
+      const V e = exp_nonpos_v<W>(loadv<W>(x) - m);
+      storev<W>(x, e);
+      total += e;
     }
-#pragma omp simd
-    for (int64_t j = 0; j < JP; ++j) sum[j] += s[j];
+    storev<W>(sum + jv * W, total);
+  }
+  for (int64_t t = std::max(base, len0); t < end; ++t) {
+    float* __restrict s = st + (t - base) * JP;
+    const int64_t lo = std::min((t - len0 + 1) * G, JP);  // lanes below lo end before t: weight 0
+    for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
+    for (int64_t j = lo; j < JP; ++j) {
+      s[j] = exp_nonpos(s[j] - stat[j]);
+      sum[j] += s[j];
+    }
   }
 
   std::fill(accb, accb + JP * HD, 0.0f);
@@ -575,7 +627,7 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   for (int64_t p = 0; p < num_pages; ++p) {
     if (p + kPrefetchPages < num_pages) prefetch_page(vbase + pages[p + kPrefetchPages] * page_elems, page_bytes);
     const int64_t first = p * page_size;
-    const int64_t n = std::min(page_size, lmax - first);
+    const int64_t n = std::min(page_size, end - base - first);
     widen(vbase + pages[p] * page_elems, n);
     for (int64_t j0 = 0; j0 < J; j0 += JB) {
       V acc[JB][NC];
@@ -593,6 +645,15 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
       for (int jj = 0; jj < JB; ++jj)
         for (int c = 0; c < NC; ++c) storev<W>(accb + (j0 + jj) * HD + W * c, acc[jj][c]);
     }
+  }
+  if (partial != nullptr) {  // [J][HD + 2]: the unnormalised sum, the max, the sum of weights
+    for (int64_t j = 0; j < J; ++j) {
+      float* __restrict pj = partial + j * (HD + 2);
+      for (int c = 0; c < NC; ++c) storev<W>(pj + W * c, loadv<W>(accb + j * HD + W * c));
+      pj[HD] = stat[j];
+      pj[HD + 1] = sum[j];
+    }
+    return;
   }
   for (int64_t j = 0; j < J; ++j) {
     float* __restrict out = a.out + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
@@ -631,15 +692,16 @@ TM_INLINE void attend_row(const Args& a, int64_t seq, int64_t kvh, float* scores
 
 template <typename T, int W>
 TM_INLINE void attend_range(const Args& a, int64_t begin, int64_t end, float* scores, float* acc) {
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t unit = item / a.kv_heads, kvh = item % a.kv_heads;
-    const int64_t seq = a.units[2 * unit], rows = a.units[2 * unit + 1];
-    if (rows > 1 && 2 * rows * a.group > W) {  // runs are only formed for head_dim 64 or 128
-      if (a.hd == 64) attend_run_items<T, 64, W>(a, seq, rows, kvh, scores);
-      else attend_run_items<T, 128, W>(a, seq, rows, kvh, scores);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t* item = a.items + i * kItemFields;
+    const int64_t seq = item[0], rows = item[1], kvh = item[2], part = item[3], parts = item[4];
+    if (rows == 1) {
+      attend_row<T, W>(a, seq, kvh, scores, acc);
       continue;
     }
-    for (int64_t row = seq; row < seq + rows; ++row) attend_row<T, W>(a, row, kvh, scores, acc);
+    float* partial = parts > 1 ? a.partial + item[5] : nullptr;
+    if (a.hd == 64) attend_run_items<T, 64, W>(a, seq, rows, kvh, part, parts, partial, scores);
+    else attend_run_items<T, 128, W>(a, seq, rows, kvh, part, parts, partial, scores);
   }
 }
 
@@ -718,7 +780,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t* lens_ptr = lens.data_ptr<int64_t>();
   // Validate every page id that will be read, so a bad table is an error, not a wild read. Rows
   // that continue the previous row's sequence by one token (length + 1, the same pages) join its
-  // run (speculative decoding's draft tokens), for head dims and groups the run path covers.
+  // run (speculative decoding's draft tokens), for the head dims the run path covers.
   const int64_t group = num_heads / kv_heads;
   const bool runs_ok = hd == 64 || hd == 128;
   std::vector<int64_t> units;
@@ -749,6 +811,41 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   }
   const int64_t num_units = static_cast<int64_t>(units.size()) / 2;
 
+  // Items: (row, KV head) as before; a run wide enough to fill the vector lanes (its rows x group
+  // query vectors over half a vector) is one item per KV head, or, when there are too few items to
+  // keep the threads busy (one run of 3 KV heads on 2 threads), per KV head and part of its pages,
+  // the parts merged below.
+  const Isa chosen = selected_isa(isa);
+  const int64_t lanes = chosen == kAvx512 ? 16 : 8;
+  const int64_t threads = at::get_num_threads();
+  int64_t base_items = 0;
+  for (int64_t u = 0; u < num_units; ++u) {
+    const int64_t rows = units[2 * u + 1];
+    base_items += rows > 1 && 2 * rows * group > lanes ? kv_heads : rows * kv_heads;
+  }
+  std::vector<int64_t> items;
+  items.reserve(static_cast<size_t>(kItemFields * base_items * 2));
+  int64_t partial_size = 0;
+  for (int64_t u = 0; u < num_units; ++u) {
+    const int64_t row0 = units[2 * u], rows = units[2 * u + 1];
+    if (rows == 1 || 2 * rows * group <= lanes) {
+      for (int64_t r = row0; r < row0 + rows; ++r)
+        for (int64_t h = 0; h < kv_heads; ++h) items.insert(items.end(), {r, 1, h, 0, 1, -1});
+      continue;
+    }
+    const int64_t pages_used = (lens_ptr[row0 + rows - 1] + page_size - 1) / page_size;
+    int64_t parts = 1;
+    if (base_items < 2 * threads) parts = std::min<int64_t>({(2 * threads + base_items - 1) / base_items, pages_used / 4, 8});
+    parts = std::max<int64_t>(parts, 1);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t part = 0; part < parts; ++part) {
+        items.insert(items.end(), {row0, rows, h, part, parts, parts > 1 ? partial_size : -1});
+        if (parts > 1) partial_size += rows * group * (hd + 2);
+      }
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size()) / kItemFields;
+  std::vector<float> partial(static_cast<size_t>(partial_size));
+
   at::Tensor out = at::empty({nd, num_heads, hd}, q.options());
   if (nd == 0 || num_heads == 0 || hd == 0) return out;
 
@@ -768,14 +865,41 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   a.hd = hd;
   a.scale = static_cast<float>(scale);
   a.out = out.data_ptr<float>();
-  a.units = units.data();
+  a.items = items.data();
+  a.partial = partial.data();
 
-  const RangeFn fn = pick(selected_isa(isa), bf16);
-  at::parallel_for(0, num_units * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const RangeFn fn = pick(chosen, bf16);
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(scores_size));
     std::vector<float> acc(static_cast<size_t>(group * hd));
     fn(a, begin, end, scores.data(), acc.data());
   });
+  // Merge split runs: out = sum_parts acc * exp(max - M) / sum_parts sum * exp(max - M).
+  float* out_ptr = a.out;
+  for (int64_t i = 0; i < num_items; ++i) {
+    const int64_t* item = items.data() + i * kItemFields;
+    if (item[4] == 1 || item[3] != 0) continue;
+    const int64_t row0 = item[0], rows = item[1], kvh = item[2], parts = item[4];
+    const int64_t stride = rows * group * (hd + 2);  // between the parts of one KV head
+    for (int64_t j = 0; j < rows * group; ++j) {
+      const float* first = partial.data() + item[5] + j * (hd + 2);
+      float m = -INFINITY;
+      for (int64_t pt = 0; pt < parts; ++pt) m = std::max(m, first[pt * stride + hd]);
+      float weights[8];
+      float total = 0.0f;
+      for (int64_t pt = 0; pt < parts; ++pt) {
+        const float mp = first[pt * stride + hd];
+        weights[pt] = mp == -INFINITY ? 0.0f : std::exp(mp - m);
+        total += weights[pt] * first[pt * stride + hd + 1];
+      }
+      float* o = out_ptr + ((row0 + j / group) * num_heads + kvh * group + j % group) * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        float x = 0.0f;
+        for (int64_t pt = 0; pt < parts; ++pt) x += weights[pt] * first[pt * stride + d];
+        o[d] = x / total;
+      }
+    }
+  }
   return out;
 }
 
