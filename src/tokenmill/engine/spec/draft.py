@@ -22,9 +22,6 @@ from tokenmill.engine.request import Request
 from tokenmill.errors import InvalidRequest
 from tokenmill.kvcache.page_pool import PagePool
 from tokenmill.model.default_model import default_model_path
-from tokenmill.model.layers.factory import LayerPolicy, requantize_for_fast_path
-from tokenmill.model.loader import load_weights
-from tokenmill.model.registry import model_class
 from tokenmill.model.runner import ModelRunner, SeqChunk
 from tokenmill.sample.logprobs import fast_argmax
 
@@ -155,26 +152,22 @@ def build_draft_proposer(config: EngineConfig, target_vocab_size: int) -> DraftM
         config.precision, config.quantization
     ):
         logger.warning("the draft is the target itself at the same precision: it will accept everything and save nothing")
-    loaded = load_weights(path)
-    mc = loaded.config
+    from tokenmill.engine.factory import build_model  # the factory imports the engine, which imports this
+
+    # The target's pool size: a draft never holds more positions than its request plus k. The tensors
+    # are torch.empty, so only pages ever written become resident.
+    built = build_model(path, spec.draft_precision, spec.draft_quantization, config.bf16_min_rows,
+                        config.max_model_len, config.num_pages, config.page_size)
+    mc = built.config
     if mc.vocab_size != target_vocab_size:
         raise InvalidRequest(
-            f"the draft model's vocabulary ({mc.vocab_size} tokens, {loaded.source}) differs from the "
+            f"the draft model's vocabulary ({mc.vocab_size} tokens, {built.source}) differs from the "
             f"target's ({target_vocab_size}): drafts must be token ids of the target",
             param="speculative_model",
         )
-    max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    policy = LayerPolicy(spec.draft_precision, spec.draft_quantization, config.bf16_min_rows)
-    weights = requantize_for_fast_path(loaded.weights, loaded.gguf_types, policy)
-    model = model_class(mc.architecture)(mc, weights, max_model_len, policy=policy)
-    # As for the target (engine/factory.py): bf16 K/V in fast mode, fp32 in exact.
-    kv_dtype = torch.bfloat16 if spec.draft_precision == "fast" else torch.float32
-    # The target's pool size: a draft never holds more positions than its request plus k. The tensors
-    # are torch.empty, so only pages ever written become resident.
-    runner = ModelRunner(model, config.num_pages, config.page_size, kv_dtype)
     logger.info(
         "draft model %s (%s, %d layers); precision %s, quantization %s; weights %.1f MB",
-        loaded.source, mc.architecture, mc.num_layers, spec.draft_precision, spec.draft_quantization,
-        model.weight_bytes() / 1e6,
+        built.source, mc.architecture, mc.num_layers, spec.draft_precision, spec.draft_quantization,
+        built.runner.model.weight_bytes() / 1e6,
     )
-    return DraftModelProposer(runner, PagePool(config.num_pages, config.page_size), max_model_len)
+    return DraftModelProposer(built.runner, PagePool(config.num_pages, config.page_size), built.max_model_len)
