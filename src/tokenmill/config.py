@@ -26,7 +26,7 @@ class SpeculativeConfig:
     # ngram: the longest suffix of prompt + output, from max down to min tokens, that occurred
     # before proposes the tokens that followed it (vLLM's prompt_lookup_max / _min).
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = 1  # a 1-token match proposes a single draft (engine/spec/ngram.py)
     # draft: the draft model (GGUF file or HF folder); None = the target's own file, run in the
     # draft's cheaper precision (no second checkpoint needed).
     model: str | None = None

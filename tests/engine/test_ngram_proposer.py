@@ -30,13 +30,20 @@ def test_most_recent_occurrence_of_the_same_length():
 def test_nothing_below_min_n_and_short_tails():
     assert cont([1, 2, 3, 4], min_n=1) == []  # no token repeats
     assert cont([1, 2, 9, 1, 2], min_n=3) == []  # only a 2-gram repeats
-    assert cont([1, 2, 5, 1, 2], min_n=2, k=4) == [5, 1, 2]  # fewer than k tokens follow
+    assert cont([1, 2, 3, 5, 1, 2, 3], min_n=2, k=5) == [5, 1, 2, 3]  # fewer than k tokens follow
     assert cont([7]) == []
 
 
+def test_short_matches_propose_as_many_tokens_as_they_matched():
+    assert cont([7, 1, 2, 3, 4, 5, 6, 7], min_n=1, k=4) == [1]  # one token matched: one draft
+    assert cont([8, 7, 1, 2, 3, 4, 8, 7], min_n=1, k=4) == [1, 2]
+    assert cont([9, 8, 7, 1, 2, 3, 4, 9, 8, 7], min_n=1, k=4) == [1, 2, 3, 4]  # TRUSTED_MATCH: all k
+
+
 def test_proposer_reads_prompt_and_output():
-    r = Request("r", [10, 11, 12, 13, 10], SamplingParams(), max_tokens=8)
+    r = Request("r", [9, 10, 11, 12, 13, 10], SamplingParams(), max_tokens=8)
     r.append_output(11)
+    r.append_output(12)
     proposer = NgramProposer(2, 4)
-    assert proposer.propose([r], [3]) == [[12, 13, 10]]
+    assert proposer.propose([r], [3]) == [[13, 10, 11]]
     assert proposer.propose([r], [0]) == [[]]

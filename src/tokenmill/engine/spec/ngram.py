@@ -17,11 +17,14 @@ from tokenmill.engine.request import Request
 # Only the most recent tokens are searched: a match further back is rarely the one that continues,
 # and the search stays O(window) per request and step however long the context grows.
 SEARCH_WINDOW = 4096
+# Matches this long propose the full k; shorter ones as many tokens as they matched. Measured on the
+# editing workload (bench spec, k=4): uncapped 1-token matches 1.84x, capped 2.01-2.07x.
+TRUSTED_MATCH = 3
 
 
 def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest matching
-    suffix (n in [min_n, max_n]); [] if none occurs.
+    """Up to k tokens (up to n while n < TRUSTED_MATCH) that followed the most recent earlier
+    occurrence of the longest matching suffix (n in [min_n, max_n]); [] if none occurs.
 
     One comparison over the sequence finds where the last token occurred before; only those
     candidates are then extended backwards, position by position, up to max_n (cheaper than
@@ -47,6 +50,10 @@ def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> lis
     if best < min_n:
         return []
     start = int(ends[np.flatnonzero(length == best)[-1]]) + 1
+    # A short match is a weak guess: propose no more tokens than it matched (a 1-token match: one
+    # draft, whose extra row costs ~10% of a step), the full k from TRUSTED_MATCH on.
+    if best < TRUSTED_MATCH:
+        k = min(k, best)
     return tokens[start : start + k].tolist()
 
 
