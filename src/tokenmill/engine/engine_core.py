@@ -20,7 +20,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.spec.proposer import Proposer, build_proposer
+from tokenmill.engine.spec.proposer import Proposer, build_proposer, propose_drafts
 from tokenmill.engine.spec.stats import SpecDecodeStats
 from tokenmill.errors import InvalidRequest
 from tokenmill.kvcache.page_pool import PagePool
@@ -294,32 +294,15 @@ class EngineCore:
             lps = sampled.logprobs[row : row + len(run)]
             row += len(guesses) + 1
             if guesses:
-                self.spec_stats.record(len(guesses), len(run) - 1, 0)
                 # The K/V of the accepted drafts was written by this step's forward: it now counts.
                 request.num_computed_tokens += len(run) - 1
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             matcher = matchers[i] if matchers is not None else None
-            status = None
-            emitted = 0
-            for token_id in run:
-                request.append_output(token_id)
-                emitted += 1
-                status = self._check_stop(request, token_id)
-                if matcher is not None:
-                    # The mask allowed only tokens the grammar accepts, so a refusal means the mask was
-                    # overridden (min_tokens hiding the only legal EOS): stop rather than run off-grammar.
-                    if not matcher.accept_token(token_id):
-                        logger.warning("request %s: token %d refused by its grammar; stopping", request.request_id, token_id)
-                        status = status or RequestStatus.FINISHED_STOPPED
-                    elif matcher.is_terminated():
-                        # EOS was the only legal token (ignore_eos or not): the structure is complete.
-                        status = status or RequestStatus.FINISHED_STOPPED
-                if status is not None:
-                    break
+            status, emitted = self._append_run(request, run, matcher)
             self.generation_tokens_total += emitted
             if guesses:
-                self.spec_stats.num_emitted_tokens += emitted
+                self.spec_stats.record(len(guesses), len(run) - 1, emitted)
             first = len(request.output_token_ids) == emitted
             if status is not None:
                 self._drop_grammar(request.request_id)
@@ -345,32 +328,29 @@ class EngineCore:
             )
         return outputs
 
+    def _append_run(self, request: Request, run: list[int], matcher: Any) -> tuple[RequestStatus | None, int]:
+        """Appends the step's tokens one by one until one ends the request: (its status, tokens kept)."""
+        for emitted, token_id in enumerate(run, 1):
+            request.append_output(token_id)
+            status = self._check_stop(request, token_id)
+            if matcher is not None:
+                # The mask allowed only tokens the grammar accepts, so a refusal means the mask was
+                # overridden (min_tokens hiding the only legal EOS): stop rather than run off-grammar.
+                if not matcher.accept_token(token_id):
+                    logger.warning("request %s: token %d refused by its grammar; stopping", request.request_id, token_id)
+                    status = status or RequestStatus.FINISHED_STOPPED
+                elif matcher.is_terminated():
+                    # EOS was the only legal token (ignore_eos or not): the structure is complete.
+                    status = status or RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                return status, emitted
+        return None, len(run)
+
     # ---- speculative decoding -------------------------------------------------------------------
     def _propose(self) -> None:
-        """Drafts for every running request that decodes next, unless the batch is too large for
-        speculation to pay."""
         spec = self.config.speculative
-        if self.proposer is None or spec is None:
-            return
-        running = self.scheduler.running
-        if not running or len(running) >= spec.disable_by_batch_size:
-            return
-        ready = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
-        # A step may append at most k + 1 tokens: never plan past max_tokens or the context.
-        ks = [
-            max(0, min(spec.num_speculative_tokens, r.max_tokens - len(r.output_token_ids) - 1,
-                       self.max_model_len - r.num_tokens - 1))
-            for r in ready
-        ]
-        wanted = [(r, k) for r, k in zip(ready, ks) if k > 0]
-        if not wanted:
-            return
-        proposals = self.proposer.propose([r for r, _ in wanted], [k for _, k in wanted])
-        for (r, k), tokens in zip(wanted, proposals):
-            bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise AssertionError(f"request {r.request_id!r}: proposer returned token id {bad}")
-            r.spec_token_ids = list(tokens[:k])
+        if self.proposer is not None and spec is not None:
+            propose_drafts(self.proposer, spec, self.scheduler.running, self.max_model_len, self.vocab_size)
 
     def _release_speculation(self, request_id: str) -> None:
         if self.proposer is not None:

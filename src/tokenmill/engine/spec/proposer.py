@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tokenmill.config import EngineConfig
+    from tokenmill.config import EngineConfig, SpeculativeConfig
     from tokenmill.engine.request import Request
 
 
@@ -40,3 +40,27 @@ def build_proposer(config: EngineConfig, target_vocab_size: int) -> Proposer | N
     from tokenmill.engine.spec.draft import build_draft_proposer
 
     return build_draft_proposer(config, target_vocab_size)
+
+
+def propose_drafts(
+    proposer: Proposer, spec: SpeculativeConfig, running: Sequence[Request], max_model_len: int, vocab_size: int
+) -> None:
+    """Fills `spec_token_ids` of every running request that decodes next, unless the batch is too
+    large for speculation to pay (`disable_by_batch_size`)."""
+    if not running or len(running) >= spec.disable_by_batch_size:
+        return
+    ready = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+    # A step may append at most k + 1 tokens: never plan past max_tokens or the context.
+    ks = [
+        min(spec.num_speculative_tokens, r.max_tokens - len(r.output_token_ids) - 1, max_model_len - r.num_tokens - 1)
+        for r in ready
+    ]
+    wanted = [(r, k) for r, k in zip(ready, ks) if k > 0]
+    if not wanted:
+        return
+    proposals = proposer.propose([r for r, _ in wanted], [k for _, k in wanted])
+    for (r, k), tokens in zip(wanted, proposals):
+        bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise AssertionError(f"request {r.request_id!r}: proposer returned token id {bad}")
+        r.spec_token_ids = list(tokens[:k])
