@@ -252,6 +252,19 @@ def test_metrics_names(server):
     assert m["tokenmill:generation_tokens_total"] > 0
 
 
+def test_conformance_endpoints_on_the_real_server(server, client, model):
+    assert client.models.retrieve(model).id == model
+    chat = client.chat.completions.with_raw_response.create(model=model, messages=CHAT, max_tokens=2,
+                                                            extra_headers={"x-request-id": "trace-7"})
+    assert chat.headers["x-request-id"] == "trace-7"
+    prompt_tokens = chat.parse().usage.prompt_tokens
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}, headers=AUTH, timeout=30).json()
+    assert tokenized["count"] == prompt_tokens
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokenized["tokens"]}, headers=AUTH, timeout=30)
+    assert CHAT[0]["content"] in text.json()["prompt"]
+    assert "POST /v1/chat/completions 200" in server.log_text() and "id=trace-7" in server.log_text()
+
+
 def test_health_was_503_while_starting(server):
     assert 503 in server.health_codes and server.health_codes[-1] == 200
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200

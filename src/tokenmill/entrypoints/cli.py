@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -153,10 +154,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine=engine, model_path=model_path, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, log_level=args.log_level,
     )
+    if args.max_request_bytes is not None:
+        config = dataclasses.replace(config, max_request_bytes=args.max_request_bytes)
     try:
         return run_server(config)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
         return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $TOKENMILL_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the file's name)")
+    p.add_argument("--max-request-bytes", type=_positive_int, default=None,
+                   help="larger request bodies get 413 before they are read (default: 4 MiB)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Mapping
 from datetime import datetime
@@ -19,6 +20,11 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenmill.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's roles, plus Llama 3's "ipython" (tool results in its templates).
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 # Variables the caller sets through named arguments; chat_template_kwargs may not override them.
 _RESERVED = frozenset({"messages", "tools", "add_generation_prompt"})
@@ -65,8 +71,11 @@ def render_chat_template(
     except jinja2.TemplateError as exc:  # raise_exception() in the template, or a sandbox refusal
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
     except Exception as exc:  # e.g. TypeError from `'x' + message['content']` on an unexpected type
+        # The exception's text speaks of the template's internals, not of the request: log it only.
+        logger.info("the chat template failed: %s: %s", type(exc).__name__, exc)
         raise InvalidRequest(
-            f"the chat template failed on these messages: {type(exc).__name__}: {exc}", param="messages"
+            "the chat template could not render these messages: a field has a type or value it does not "
+            "accept (check each message's role and content)", param="messages",
         ) from exc
 
 
@@ -82,11 +91,19 @@ def _normalize_messages(messages: Any, as_parts: bool) -> list[dict[str, Any]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"messages[{i}] needs a 'role' string", param="messages")
+        if role not in ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role must be one of {', '.join(map(repr, ROLES))}, got {role!r}", param="messages"
+            )
         message = _plain(dict(message))
-        if "content" not in message:
-            # OpenAI lets an assistant turn that only calls tools omit its content.
+        if message.get("content") is None:
+            # OpenAI lets an assistant turn that only calls tools omit its content (or send null).
             if not (role == "assistant" and message.get("tool_calls")):
-                raise InvalidRequest(f"messages[{i}] ({role}) has no 'content'", param="messages")
+                state = "is null" if "content" in message else "is missing"
+                raise InvalidRequest(
+                    f"messages[{i}].content {state}: a {role} message needs text content "
+                    "(only an assistant message with tool_calls may leave it out)", param="messages",
+                )
             message["content"] = None
         message["content"] = _content(message["content"], i, as_parts)
         out.append(message)

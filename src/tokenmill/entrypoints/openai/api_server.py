@@ -27,12 +27,22 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.config import EngineConfig
+from tokenmill.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from tokenmill.entrypoints.openai.errors import error_response, install_handlers
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
+from tokenmill.entrypoints.openai.openapi import body_doc, install_openapi
 from tokenmill.entrypoints.openai.processes import ChildProcesses
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tokenmill.entrypoints.openai.request_log import RequestLogMiddleware
 from tokenmill.entrypoints.openai.serving_chat import ChatServing
-from tokenmill.entrypoints.openai.serving_common import now_s
+from tokenmill.entrypoints.openai.serving_common import check_model, now_s
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
+from tokenmill.entrypoints.openai.serving_tokenize import TokenizeServing
 from tokenmill.frontend.tokenizer_manager import RequestError, ServerStatus, TokenizerManager
 from tokenmill.ipc.channels import IpcPaths
 
@@ -51,28 +61,37 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     log_level: str = "WARNING"
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
-class _Server:
-    """What the routes need; filled in by the lifespan."""
+class ServerState:
+    """What the routes need; filled in by the lifespan (or by a test, with a manager of its own)."""
 
     manager: TokenizerManager
     metrics: ServerMetrics
     chat: ChatServing
     completion: CompletionServing
+    tokens: TokenizeServing
+
+    def attach(self, manager: TokenizerManager, metrics: ServerMetrics) -> None:
+        self.manager, self.metrics = manager, metrics
+        self.chat = ChatServing(manager)
+        self.completion = CompletionServing(manager)
+        self.tokens = TokenizeServing(manager)
 
 
-def build_app(config: ServerConfig, on_fatal: Callable[[], None] = lambda: None) -> FastAPI:
-    server = _Server()
+def build_app(
+    config: ServerConfig, on_fatal: Callable[[], None] = lambda: None, state: ServerState | None = None
+) -> FastAPI:
+    """The app; with `state` given, its manager is used as it is and no child process starts."""
+    server = state or ServerState()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         paths = IpcPaths.create()
         ctx = zmq.asyncio.Context()
-        server.metrics = ServerMetrics(lambda: server.manager.stats)
-        server.manager = TokenizerManager(ctx, paths, config.model_path, server.metrics)
-        server.chat = ChatServing(server.manager)
-        server.completion = CompletionServing(server.manager)
+        metrics = ServerMetrics(lambda: server.manager.stats)
+        server.attach(TokenizerManager(ctx, paths, config.model_path, metrics), metrics)
         children = ChildProcesses(paths, config.engine, config.served_model_name, config.log_level)
         children.start()
         watch = asyncio.create_task(children.watch(server.manager.on_process_exit))
@@ -89,8 +108,13 @@ def build_app(config: ServerConfig, on_fatal: Callable[[], None] = lambda: None)
             paths.remove()
             logger.info("shut down: all child processes have exited")
 
-    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tokenmill", lifespan=None if state else lifespan,
+                  description="An OpenAI-compatible LLM inference server (plus vLLM's extra fields and endpoints).")
     install_handlers(app)
+    install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest])
+    # Outermost last: the log sees every response, the 413s included.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(RequestLogMiddleware)
 
     async def check_api_key(request: Request) -> None:
         if config.api_key is None:
@@ -115,26 +139,42 @@ def build_app(config: ServerConfig, on_fatal: Callable[[], None] = lambda: None)
         }[manager.status]
         return error_response(reason, 503)
 
-    @app.get("/v1/models", dependencies=auth)
-    async def models() -> JSONResponse:
+    def model_card() -> dict:
         server.manager.check_ready()
         limits = server.manager.limits
         assert limits is not None
-        card = {"id": limits.model_name, "object": "model", "created": now_s(), "owned_by": "tokenmill",
+        return {"id": limits.model_name, "object": "model", "created": now_s(), "owned_by": "tokenmill",
                 "root": config.model_path, "max_model_len": limits.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        card = model_card()
+        check_model(model_id, card["id"])
+        return JSONResponse(card)
 
     @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth, openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(raw: Request) -> Response:
         return await server.chat.create(raw)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth, openapi_extra=body_doc(CompletionRequest))
     async def completions(raw: Request) -> Response:
         return await server.completion.create(raw)
+
+    @app.post("/tokenize", dependencies=auth, openapi_extra=body_doc(TokenizeRequest))
+    async def tokenize(raw: Request) -> Response:
+        return await server.tokens.tokenize(raw)
+
+    @app.post("/detokenize", dependencies=auth, openapi_extra=body_doc(DetokenizeRequest))
+    async def detokenize(raw: Request) -> Response:
+        return await server.tokens.detokenize(raw)
 
     return app
 
@@ -163,7 +203,8 @@ def run_server(config: ServerConfig) -> int:
     app = build_app(config, on_fatal)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, loop="asyncio", log_level=config.log_level.lower(),
-        access_log=config.log_level.upper() in ("DEBUG", "INFO"), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        # RequestLogMiddleware writes the access log (with token counts); uvicorn's would repeat it.
+        access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     uv_server = uvicorn.Server(uv_config)
     uv_server.run()

@@ -7,6 +7,7 @@ Bad input is a 400 naming the field (404 for an unknown model); nothing a client
 from __future__ import annotations
 
 import logging
+import re
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -19,11 +20,14 @@ from tokenmill.frontend.tokenizer_manager import RequestError
 
 logger = logging.getLogger(__name__)
 
+_JSON_POSITION = re.compile(r"at line (\d+) column (\d+)")
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
@@ -47,7 +51,8 @@ def as_request_error(exc: BaseException) -> RequestError:
         message, param = validation_message(exc.errors())
         return RequestError(message, 400, param)
     logger.error("internal error while serving a request", exc_info=exc)
-    return RequestError(f"internal server error: {type(exc).__name__}", 500)
+    # The exception's text describes our code, not the request: it stays in the log.
+    return RequestError("internal server error; the server log has the details", 500)
 
 
 def validation_message(errors: list) -> tuple[str, str | None]:
@@ -56,13 +61,25 @@ def validation_message(errors: list) -> tuple[str, str | None]:
         return "invalid request body", None
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('msg')}", None
+        return _json_message(str(first.get("msg", ""))), None
     # Union members appear in loc as type names ("str", "list[int]"): keep only real field names.
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",) and not _is_type_tag(p)]
     if not loc:
         return f"request body: {first.get('msg')}", None
     field = ".".join(loc)
     return f"{field}: {first.get('msg')} (got {_short(first.get('input'))})", loc[0]
+
+
+def _json_message(msg: str) -> str:
+    where = _JSON_POSITION.search(msg)
+    at = f" at line {where.group(1)} column {where.group(2)}" if where else ""
+    if "surrogate" in msg or "hex escape" in msg:
+        # JSON allows \ud800-\udfff only as a pair (one character beyond U+FFFF); alone it is no text.
+        return (f"the request body is not valid JSON: the \\u escape{at} is incomplete or a lone UTF-16 "
+                "surrogate (\\ud800-\\udfff must be followed by its pair)")
+    if "unicode code point" in msg or "utf-8" in msg.lower():
+        return f"the request body is not valid UTF-8{at}"
+    return f"the request body is not valid JSON: {msg.removeprefix('Invalid JSON: ')}"
 
 
 def _is_type_tag(part: object) -> bool:

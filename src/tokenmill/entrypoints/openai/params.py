@@ -29,7 +29,26 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
             "tool_choice may only be 'none' or 'auto': tools are shown to the model through its chat template, "
             "but tool calls are not parsed or forced", param="tool_choice",
         )
+    check_tools(req.tools)
     return _common(req, max_tokens, logprobs)
+
+
+def check_tools(tools: list[dict] | None) -> None:
+    """OpenAI's tool shape, {"type": "function", "function": {"name": ..., ...}}: templates index into
+    it, so anything else would render a broken prompt (or fail inside the template)."""
+    for i, tool in enumerate(tools or []):
+        if tool.get("type") != "function":
+            raise InvalidRequest(f"tools[{i}].type must be 'function', got {tool.get('type')!r}", param="tools")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise InvalidRequest(f"tools[{i}].function must be an object with a 'name'", param="tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"tools[{i}].function.name must be a non-empty string", param="tools")
+        for key, kind in (("description", str), ("parameters", dict)):
+            if function.get(key) is not None and not isinstance(function[key], kind):
+                raise InvalidRequest(f"tools[{i}].function.{key} must be a {'string' if kind is str else 'object'}",
+                                     param="tools")
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:

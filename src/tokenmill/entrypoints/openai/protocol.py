@@ -81,3 +81,26 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     suffix: str | None = None
     best_of: Int64 | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a text `prompt`, or chat `messages` rendered by the model's template."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = True  # a prompt only: messages are tokenized as chat completions do
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize: token ids back to text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    tokens: list[TokenId]

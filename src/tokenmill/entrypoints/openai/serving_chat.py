@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenmill.entrypoints.openai.errors import as_request_error
 from tokenmill.entrypoints.openai.params import chat_sampling_params
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
+from tokenmill.entrypoints.openai.request_log import RequestRecord, record_of
 from tokenmill.entrypoints.openai.serving_common import (
     DONE,
     SSE_HEADERS,
@@ -57,12 +58,15 @@ class ChatServing(ServingBase):
         seqs = [Seq(prompt_ids, child_params(params, k)) for k in range(params.n)]
         self.manager.validate(seqs, "messages")
         request_id = new_id("chatcmpl")
+        record = record_of(raw)
+        record.request_id, record.prompt_tokens = request_id, len(prompt_ids)
         outputs = self.manager.generate(request_id, seqs, arrival=arrival, prompt_param="messages",
                                         cache_salt=req.cache_salt)
         want_logprobs = params.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = self._stream(outputs, request_id, model, params.n, len(prompt_ids), want_logprobs, include_usage)
+            stream = self._stream(outputs, request_id, model, params.n, len(prompt_ids), want_logprobs, include_usage,
+                                  record)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             body = await unless_disconnected(
@@ -70,6 +74,7 @@ class ChatServing(ServingBase):
             )
         except ClientDisconnected:
             return disconnected_response()
+        record.set_usage(body["usage"])
         return JSONResponse(body)
 
     async def _collect(
@@ -101,7 +106,7 @@ class ChatServing(ServingBase):
 
     async def _stream(
         self, outputs: AsyncIterator[tuple[int, TextOutput]], request_id: str, model: str, n: int,
-        prompt_tokens: int, want_logprobs: bool, include_usage: bool,
+        prompt_tokens: int, want_logprobs: bool, include_usage: bool, record: RequestRecord,
     ) -> AsyncIterator[str]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": model}
 
@@ -127,6 +132,7 @@ class ChatServing(ServingBase):
                 delta = {"content": out.text} if out.text else {}
                 yield chunk(i, delta, logprobs, out.finish_reason if out.finished else None, out.stop_reason)
         except Exception as exc:  # includes RequestError: the stream ends as an error, never hangs
+            record.set_usage(usage(prompt_tokens, choices, n))
             error = as_request_error(exc)
             for i, c in enumerate(choices):
                 if c.finish_reason is None:
@@ -134,6 +140,8 @@ class ChatServing(ServingBase):
             yield sse_error(error)
             yield DONE
             return
+        final_usage = usage(prompt_tokens, choices, n)
+        record.set_usage(final_usage)
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(prompt_tokens, choices, n)})
+            yield sse({**base, "choices": [], "usage": final_usage})
         yield DONE

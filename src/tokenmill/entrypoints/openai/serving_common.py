@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tokenmill.entrypoints.openai.errors import error_body, validation_message
+from tokenmill.frontend.token_bytes import TokenBytes
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.frontend.tokenizer_manager import RequestError, TokenizerManager
 from tokenmill.ipc.messages import Logprob, TextOutput
@@ -126,11 +127,13 @@ def usage(prompt_tokens: int, choices: list[Choice], n: int, count_completion: b
 
 
 class TokenTexts:
-    """Text of single tokens for logprobs, cached (a vocabulary is small; requests repeat tokens)."""
+    """Text of single tokens for logprobs, cached (a vocabulary is small; requests repeat tokens), and
+    their raw bytes (`bytes_of`), which the text loses for a token holding part of a character."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self.bytes_of = TokenBytes(tokenizer.backend)
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -157,8 +160,7 @@ class ServingBase:
 
 def chat_logprobs(items: list[Logprob], texts: TokenTexts) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = texts(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": texts(token_id), "logprob": logprob, "bytes": list(texts.bytes_of(token_id))}
 
     return {"content": [
         {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in items

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenmill.entrypoints.openai.errors import as_request_error
 from tokenmill.entrypoints.openai.params import MAX_CHOICES, completion_sampling_params, echo_only
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
+from tokenmill.entrypoints.openai.request_log import RequestRecord, record_of
 from tokenmill.entrypoints.openai.serving_common import (
     DONE,
     SSE_HEADERS,
@@ -94,15 +95,18 @@ class CompletionServing(ServingBase):
             echoes = [text if text is not None else tok.decode(ids, params.skip_special_tokens) for text, ids in prompts]
         job = _Job(new_id("cmpl"), limits.model_name, params, prompts, echoes, echo_only(req),
                    req.prompt_logprobs is not None)
+        record = record_of(raw)
+        record.request_id, record.prompt_tokens = job.request_id, job.prompt_tokens
         outputs = self.manager.generate(job.request_id, seqs, arrival=arrival, cache_salt=req.cache_salt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = self._stream(outputs, job, include_usage)
+            stream = self._stream(outputs, job, include_usage, record)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             body = await unless_disconnected(raw, self._collect(outputs, job))
         except ClientDisconnected:
             return disconnected_response()
+        record.set_usage(body["usage"])
         return JSONResponse(body)
 
     def _prompt_logprobs(self, job: _Job, prompt: int, items: list[Logprob | None] | None) -> dict[str, Any]:
@@ -143,7 +147,7 @@ class CompletionServing(ServingBase):
         }
 
     async def _stream(
-        self, outputs: AsyncIterator[tuple[int, TextOutput]], job: _Job, include_usage: bool
+        self, outputs: AsyncIterator[tuple[int, TextOutput]], job: _Job, include_usage: bool, record: RequestRecord,
     ) -> AsyncIterator[str]:
         base = {"id": job.request_id, "object": "text_completion", "created": now_s(), "model": job.model}
 
@@ -186,6 +190,7 @@ class CompletionServing(ServingBase):
                 offsets[i] += len(out.text)
                 yield chunk(i, out.text, logprobs, out.finish_reason if out.finished else None, out.stop_reason)
         except Exception as exc:  # includes RequestError: the stream ends as an error, never hangs
+            record.set_usage(usage(job.prompt_tokens, choices, n, not job.echo_only))
             error = as_request_error(exc)
             for i, c in enumerate(choices):
                 if c.finish_reason is None:
@@ -193,8 +198,10 @@ class CompletionServing(ServingBase):
             yield sse_error(error)
             yield DONE
             return
+        final_usage = usage(job.prompt_tokens, choices, n, not job.echo_only)
+        record.set_usage(final_usage)
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(job.prompt_tokens, choices, n, not job.echo_only)})
+            yield sse({**base, "choices": [], "usage": final_usage})
         yield DONE
 
 
