@@ -1,4 +1,4 @@
-"""A fused C++ paged-attention decode kernel for CPU (csrc/paged_attention.cpp), built on first use.
+"""A fused C++ paged-attention decode kernel for CPU (csrc/paged_attention.h), built on first use.
 
 Decode rows read K/V straight from the pages through the block table, instead of gathering every
 sequence's pages into padded tensors first (see attention.py); for a large decode batch the gather

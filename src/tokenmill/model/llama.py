@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.fused_decode import FusedDecodeStack
 from tokenmill.model.kernels import fused_ops
 from tokenmill.model.layers.factory import LayerPolicy, make_embedding, make_linear
 from tokenmill.model.layers.quantized_linear import QuantizedLinear
@@ -113,6 +114,9 @@ class LlamaForCausalLM:
         # Fast mode runs the elementwise steps fused in C++ where it can (not for q/k norms, qwen3).
         self.fused = policy.precision == "fast" and not config.qk_norm and fused_ops.available()
         self.fused = self.fused and isinstance(self.attention, TorchPagedAttention)  # fp32 caches it writes
+        # Decode steps of the fast path as one C++ call over all layers (model/fused_decode.py).
+        self.fused_decode = self.fused and FusedDecodeStack.supports(self)
+        self._decode_stack: FusedDecodeStack | None = None
 
     def forward(
         self,
@@ -124,6 +128,8 @@ class LlamaForCausalLM:
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope.lookup(positions)
+        if self.fused_decode and FusedDecodeStack.handles(x.shape[0], meta):
+            return self._stack_for(kv_caches).run(x, cos, sin, meta)
         if self.fused:
             eps = self.config.rms_norm_eps
             h = fused_rms_norm(x, self.layers[0].input_norm, eps)
@@ -135,6 +141,11 @@ class LlamaForCausalLM:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, self.attention, k_cache, v_cache, meta)
         return self.layers[0].norm(x, self.norm, self.config.rms_norm_eps)
+
+    def _stack_for(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedDecodeStack:
+        if self._decode_stack is None or self._decode_stack.kv_caches is not kv_caches:
+            self._decode_stack = FusedDecodeStack(self, kv_caches)
+        return self._decode_stack
 
     def weight_bytes(self) -> int:
         """Bytes of weights the model holds (shared tensors, e.g. tied embeddings, counted once)."""

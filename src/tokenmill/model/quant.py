@@ -77,7 +77,7 @@ class QuantizedWeight:
 
 @dataclass
 class BlockedWeight:
-    """A QuantizedWeight re-laid for the AVX512-VNNI kernel (csrc/quant_vnni.cpp explains the layout):
+    """A QuantizedWeight re-laid for the AVX512-VNNI kernel (csrc/quant_vnni.h explains the layout):
     blocks of 16 output columns, each zmm 4 inputs of 16 columns; the same bytes as the row layout."""
 
     codes: torch.Tensor  # int4: uint8 [N/16, G, 4, 64]; int8: uint8 [N/16, G, 8, 64], codes + 128

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,19 @@ def build_command(source: Path, output: Path, compiler: str) -> list[str]:
     return cmd
 
 
+def local_headers(source: bytes, seen: set[str] | None = None) -> list[bytes]:
+    """The csrc/ headers `source` includes, directly or through each other: part of the cache key,
+    since kernels share their code through them."""
+    seen = set() if seen is None else seen
+    out: list[bytes] = []
+    for name in re.findall(rb'^#include "([\w.]+)"', source, re.M):
+        if name.decode() not in seen:
+            seen.add(name.decode())
+            text = (CSRC / name.decode()).read_bytes()
+            out += [text, *local_headers(text, seen)]
+    return out
+
+
 def load_extension(name: str, what: str, logger: logging.Logger) -> bool:
     """Build (once) and load csrc/{name}.cpp; `what` names it in log lines. False: use the fallback."""
     if not sys.platform.startswith("linux"):
@@ -79,7 +93,7 @@ def load_extension(name: str, what: str, logger: logging.Logger) -> bool:
         source_path = CSRC / f"{name}.cpp"
         source = source_path.read_bytes()
         compiler = os.environ.get("CXX") or "c++"
-        key_parts = [source, " ".join(_CXXFLAGS).encode(), torch.__version__.encode(), compiler.encode(),
+        key_parts = [source, *local_headers(source), " ".join(_CXXFLAGS).encode(), torch.__version__.encode(), compiler.encode(),
                      sys.platform.encode(), os.uname().machine.encode()]
         key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
         folder = cache_dir() / f"{name}-{key}"

@@ -28,7 +28,7 @@ def available() -> bool:
 
 
 def vnni_available() -> bool:
-    """Whether the column-blocked AVX512-VNNI kernel (csrc/quant_vnni.cpp) runs on this CPU."""
+    """Whether the column-blocked AVX512-VNNI kernel (csrc/quant_vnni.h) runs on this CPU."""
     return available() and _VNNI.available() and bool(torch.ops.tokenmill_vnni.supported())
 
 

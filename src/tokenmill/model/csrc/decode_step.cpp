@@ -1,0 +1,270 @@
+// A whole decode step's layer stack in one call and one OpenMP parallel region, for the fast path.
+//
+// Why: batch-1 decode runs ~8 ops a layer (240 a token), each a Python call, a dispatcher trip and,
+// for the linears, a fork and join of the thread team; the 121 small matrix-vector products read
+// their weights at ~21 GB/s where one large call reaches ~45 (docs/benchmarks.md). llama.cpp keeps one
+// thread team for the whole graph and separates its ops by barriers; this does the same: the team is
+// forked once per step, and the phases of each layer are separated by `omp barrier`s, a microsecond
+// each while the threads spin (GOMP_SPINCOUNT covers the gaps inside a step).
+//
+// The arithmetic is the unfused fast path's, from the same code (the headers): rows rounded to two
+// int8 terms and multiplied by the column-blocked VNNI kernel (quant_vnni.h), RoPE and the K/V store,
+// paged decode attention (paged_attention.h), the residual add + RMSNorm and SiLU * up (fused_ops.h).
+// The work of each phase is split between threads as the unfused ops split it: column blocks for the
+// linears, (row, KV head) items for attention, rows for the elementwise steps.
+//
+// Layer weights are bound once (DecodeStack, a TorchScript class held by model/fused_decode.py); a
+// step passes only what changes: the residual stream, cos/sin, slots, block table and lengths.
+
+#include "fused_ops.h"
+#include "paged_attention.h"
+#include "quant_vnni.h"
+
+#include <omp.h>
+
+#include <torch/custom_class.h>
+
+namespace {
+
+constexpr int64_t kTerms = 2;  // int8 terms per activation (two: near fp32 quality, see quant_vnni.h)
+constexpr int64_t kTensorsPerLayer = 14;  // 2 norms, then codes, scales, mins of qkv, o, gate_up, down
+
+struct Linear {
+  tm_vnni::Weights w;
+  int64_t N;
+};
+
+struct Layer {
+  const float* input_norm;
+  const float* post_norm;
+  Linear qkv, o, gate_up, down;
+  void* k_cache;
+  void* v_cache;
+};
+
+// [begin, end) of thread `tid`'s share of n items, as even as possible.
+inline void share(int64_t n, int tid, int nt, int64_t& begin, int64_t& end) {
+  begin = n * tid / nt;
+  end = n * (tid + 1) / nt;
+}
+
+// y[:, blocks of this thread] = a @ w^T
+inline void linear_share(const Linear& l, const tm_vnni::Acts& a, int64_t T, float* y, int tid, int nt) {
+  int64_t b0, b1;
+  share(l.N / tm_vnni::kCols, tid, nt, b0, b1);
+  if (b0 == b1) return;
+  if (l.w.bits == 4) tm_vnni::blocks<4, kTerms>(l.w, a, 0, T, l.N, b0, b1, y);
+  else tm_vnni::blocks<8, kTerms>(l.w, a, 0, T, l.N, b0, b1, y);
+}
+
+struct DecodeStack : torch::CustomClassHolder {
+  std::vector<at::Tensor> keep;  // every tensor the raw pointers below point into
+  std::vector<Layer> layers;
+  const float* final_norm = nullptr;
+  int64_t hidden = 0, inter = 0, nq = 0, nkv = 0, hd = 0, num_slots = 0;
+  double eps = 0, scale = 0;
+  bool bf16_cache = false;
+
+  DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> bits, std::vector<at::Tensor> k_caches,
+              std::vector<at::Tensor> v_caches, at::Tensor final_norm_in, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_dim, double rms_eps, double attn_scale) {
+    TORCH_CHECK(tm_fused::use_avx512() && tm_vnni::vnni_supported(), "the fused decode step needs AVX512-VNNI");
+    const int64_t L = static_cast<int64_t>(k_caches.size());
+    TORCH_CHECK(L > 0 && static_cast<int64_t>(tensors.size()) == L * kTensorsPerLayer &&
+                    static_cast<int64_t>(bits.size()) == 4 * L && static_cast<int64_t>(v_caches.size()) == L,
+                "expected ", kTensorsPerLayer, " tensors and 4 bit widths per layer, and a K and V cache each");
+    nq = num_heads, nkv = num_kv_heads, hd = head_dim, eps = rms_eps, scale = attn_scale;
+    TORCH_CHECK(nkv > 0 && nq % nkv == 0 && hd % 2 == 0 && hd <= 256, "unsupported head layout");
+    hidden = final_norm_in.numel();
+    TORCH_CHECK(final_norm_in.is_contiguous() && final_norm_in.scalar_type() == at::kFloat,
+                "norm weights must be contiguous float32");
+    keep = tensors;
+    keep.push_back(final_norm_in);
+    final_norm = final_norm_in.data_ptr<float>();
+    const at::Tensor& c0 = k_caches[0];
+    bf16_cache = c0.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(bf16_cache || c0.scalar_type() == at::kFloat, "the KV cache must be float32 or bfloat16");
+    num_slots = c0.size(1);
+    const int64_t qkv_n = (nq + 2 * nkv) * hd;
+    for (int64_t i = 0; i < L; ++i) {
+      const at::Tensor* t = tensors.data() + i * kTensorsPerLayer;
+      for (int j = 0; j < 2; ++j)
+        TORCH_CHECK(t[j].is_contiguous() && t[j].scalar_type() == at::kFloat && t[j].numel() == hidden,
+                    "layer ", i, ": norm weights must be contiguous float32 [hidden]");
+      for (const at::Tensor* c : {&k_caches[i], &v_caches[i]})
+        TORCH_CHECK(c->is_contiguous() && c->dim() == 3 && c->size(0) == nkv && c->size(1) == num_slots &&
+                        c->size(2) == hd && c->scalar_type() == c0.scalar_type(),
+                    "layer ", i, ": caches must be contiguous [num_kv_heads, slots, head_dim] of one dtype");
+      const int64_t* b = bits.data() + 4 * i;
+      auto linear = [&](int k, int64_t N, int64_t K) {
+        return Linear{tm_vnni::check(t[2 + 3 * k], t[3 + 3 * k], t[4 + 3 * k], b[k], N, K), N};
+      };
+      // gate_up's N is 2 x intermediate, read off its scales ([N/16, G, 16] fp16 = N x K/32 values)
+      const int64_t gate_up_n = t[9].numel() / (hidden / tm_vnni::kGroup);
+      if (i == 0) inter = gate_up_n / 2;
+      TORCH_CHECK(gate_up_n == 2 * inter, "layer ", i, ": intermediate sizes differ between layers");
+      Layer layer{t[0].data_ptr<float>(), t[1].data_ptr<float>(), linear(0, qkv_n, hidden),
+                  linear(1, hidden, nq * hd), linear(2, 2 * inter, hidden), linear(3, hidden, inter),
+                  k_caches[i].data_ptr(), v_caches[i].data_ptr()};
+      layers.push_back(layer);
+      keep.push_back(k_caches[i]);
+      keep.push_back(v_caches[i]);
+    }
+  }
+
+  // x [T, hidden] (the embeddings; updated in place as the residual stream), cos/sin [T, hd] per
+  // row, slots [T], block table [T, max_pages] and lengths [T] of the rows' sequences (every row a
+  // decode row; consecutive rows of one sequence form runs). Returns the final norm's output.
+  at::Tensor run(at::Tensor x, at::Tensor cos_in, at::Tensor sin_in, at::Tensor slots_in, at::Tensor table_in,
+                 at::Tensor lens_in, int64_t page_size) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == hidden,
+                "x must be contiguous float32 [T, hidden]");
+    const int64_t T = x.size(0);
+    const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+    TORCH_CHECK(cos.numel() == T * hd && sin.numel() == T * hd && cos.scalar_type() == at::kFloat,
+                "cos and sin must be float32 [T, head_dim]");
+    const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+    const at::Tensor table = table_in.to(at::kLong).contiguous();
+    const at::Tensor lens = lens_in.to(at::kLong).contiguous();
+    TORCH_CHECK(slots.numel() == T && lens.numel() == T && table.dim() == 2 && table.size(0) == T,
+                "one slot, length and block-table row per row");
+    TORCH_CHECK(page_size > 0 && num_slots % page_size == 0, "bad page size");
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the cache");
+    const int nt = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
+    const tm_attention::Isa isa = tm_attention::selected_isa(-1);
+    // Checks every page id and length: nothing inside the parallel region can fail.
+    const tm_attention::Plan plan = tm_attention::make_plan(table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), T,
+                                                            table.size(1), page_size, num_slots / page_size, nq,
+                                                            nkv, hd, isa, nt);
+    const int64_t group = nq / nkv;
+    const int64_t qkv_n = (nq + 2 * nkv) * hd;
+
+    at::Tensor out = at::empty({T, hidden}, x.options());
+    if (T == 0) return out;
+    // One buffer for every intermediate of a layer (reused by the next).
+    const int64_t max_k = std::max({hidden, inter, nq * hd});
+    const int64_t n_h = T * hidden, n_qkv = T * qkv_n, n_q = T * nq * hd, n_k = T * nkv * hd, n_gu = T * 2 * inter,
+                  n_act = T * inter, n_acts = tm_vnni::acts_floats(T, max_k, kTerms);
+    at::Tensor buffer = at::empty({3 * n_h + n_qkv + 2 * n_q + n_k + n_gu + n_act + n_acts + plan.partial_size + 16},
+                                  x.options());
+    float* p = buffer.data_ptr<float>();
+    float* h = p;  // normed input of the next linear
+    float* delta = h + n_h;  // o_proj's, then down's output
+    float* zero = delta + n_h;  // x + 0: the first layer's norm through add_rms_norm
+    float* qkv = zero + n_h;
+    float* q = qkv + n_qkv;
+    float* attn = q + n_q;
+    float* k = attn + n_q;
+    float* gu = k + n_k;
+    float* act = gu + n_gu;
+    float* partial = act + n_act;
+    float* acts_base = partial + plan.partial_size;
+    std::fill(zero, zero + n_h, 0.0f);
+
+    float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* snp = sin.data_ptr<float>();
+    const tm_vnni::Acts a_hidden = tm_vnni::make_acts(acts_base, T, hidden, kTerms);
+    const tm_vnni::Acts a_attn = tm_vnni::make_acts(acts_base, T, nq * hd, kTerms);
+    const tm_vnni::Acts a_inter = tm_vnni::make_acts(acts_base, T, inter, kTerms);
+
+    tm_attention::Args args{};
+    args.q = q;
+    args.head_stride = num_slots * hd;
+    args.slot_stride = hd;
+    args.table = table.data_ptr<int64_t>();
+    args.lens = lens.data_ptr<int64_t>();
+    args.max_pages = table.size(1);
+    args.page_size = page_size;
+    args.num_heads = nq;
+    args.kv_heads = nkv;
+    args.group = group;
+    args.hd = hd;
+    args.scale = static_cast<float>(scale);
+    args.out = attn;
+    args.items = plan.items.data();
+    args.partial = partial;
+    const tm_attention::RangeFn attend = tm_attention::pick(isa, bf16_cache);
+    const int64_t num_items = plan.num_items();
+    const float e = static_cast<float>(eps);
+    const int64_t L = static_cast<int64_t>(layers.size());
+
+#pragma omp parallel num_threads(nt)
+    {
+      const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+      std::vector<float> scores(static_cast<size_t>(plan.scores_size));
+      std::vector<float> acc(static_cast<size_t>(group * hd));
+      int64_t r0, r1;  // this thread's rows
+      share(T, tid, team, r0, r1);
+      tm_fused::add_rms_norm_rows_avx512(xp, zero, layers[0].input_norm, hidden, e, h, r0, r1);
+      tm_vnni::quantize_rows<kTerms>(h, hidden, r0, r1, a_hidden);
+#pragma omp barrier
+      for (int64_t i = 0; i < L; ++i) {
+        const Layer& l = layers[i];
+        linear_share(l.qkv, a_hidden, T, qkv, tid, team);
+#pragma omp barrier
+        tm_fused::rope_rows_avx512(qkv, qkv_n, cp, snp, nq, nkv, hd, q, k, r0, r1);
+        for (int64_t t = r0; t < r1; ++t) {
+          for (int64_t j = 0; j < nkv; ++j) {
+            const float* ks = k + (t * nkv + j) * hd;
+            const float* vs = qkv + t * qkv_n + (nq + nkv + j) * hd;
+            const int64_t at = (j * num_slots + sp[t]) * hd;
+            if (bf16_cache) {
+              tm_fused::store_bf16_avx512(ks, static_cast<uint16_t*>(l.k_cache) + at, hd);
+              tm_fused::store_bf16_avx512(vs, static_cast<uint16_t*>(l.v_cache) + at, hd);
+            } else {
+              std::memcpy(static_cast<float*>(l.k_cache) + at, ks, hd * sizeof(float));
+              std::memcpy(static_cast<float*>(l.v_cache) + at, vs, hd * sizeof(float));
+            }
+          }
+        }
+#pragma omp barrier
+        {
+          tm_attention::Args la = args;
+          la.k = l.k_cache;
+          la.v = l.v_cache;
+          // the split at::parallel_for makes: contiguous chunks of ceil(n / team) items
+          const int64_t chunk = (num_items + team - 1) / team;
+          const int64_t i0 = std::min(num_items, tid * chunk), i1 = std::min(num_items, i0 + chunk);
+          if (i0 < i1) attend(la, i0, i1, scores.data(), acc.data());
+#pragma omp barrier
+          if (plan.partial_size > 0) {
+#pragma omp single
+            tm_attention::merge_parts(plan, partial, attn, nq, group, hd);
+          }
+        }
+        tm_vnni::quantize_rows<kTerms>(attn, nq * hd, r0, r1, a_attn);
+#pragma omp barrier
+        linear_share(l.o, a_attn, T, delta, tid, team);
+#pragma omp barrier
+        tm_fused::add_rms_norm_rows_avx512(xp, delta, l.post_norm, hidden, e, h, r0, r1);
+        tm_vnni::quantize_rows<kTerms>(h, hidden, r0, r1, a_hidden);
+#pragma omp barrier
+        linear_share(l.gate_up, a_hidden, T, gu, tid, team);
+#pragma omp barrier
+        tm_fused::silu_mul_rows_avx512(gu, inter, act, r0, r1);
+        tm_vnni::quantize_rows<kTerms>(act, inter, r0, r1, a_inter);
+#pragma omp barrier
+        linear_share(l.down, a_inter, T, delta, tid, team);
+#pragma omp barrier
+        const bool last = i + 1 == L;
+        tm_fused::add_rms_norm_rows_avx512(xp, delta, last ? final_norm : layers[i + 1].input_norm, hidden, e,
+                                           last ? op : h, r0, r1);
+        if (!last) tm_vnni::quantize_rows<kTerms>(h, hidden, r0, r1, a_hidden);
+#pragma omp barrier
+      }
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill_step, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       at::Tensor, int64_t, int64_t, int64_t, double, double>())
+      .def("run", &DecodeStack::run);
+}

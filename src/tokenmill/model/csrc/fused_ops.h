@@ -1,0 +1,122 @@
+#pragma once
+// Fused elementwise steps of a decoder layer for the fast path, one call each instead of several
+// PyTorch ops: at batch 1 a decode step is ~20 tiny ops per layer, and their per-op overhead costs
+// as much as reading the layer's quantized weights (docs/benchmarks.md).
+//
+//   rope_qk(qkv, cos, sin, nq, nkv) -> (q, k): RoPE (HF's rotate_half form) on the q and k heads of
+//       a fused q/k/v projection, written to contiguous [T, heads, head_dim] tensors.
+//   rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots) -> q: the same, but k (roped) and v
+//       go straight to their cache slots (fp32 caches [kv_heads, slots, head_dim]).
+//   silu_mul(gate_up) -> silu(gate) * up, for gate_up = [gate | up] along the last dim.
+//   add_rms_norm_(x, delta, w, eps) -> x += delta (in place), then returns RMSNorm(x) * w.
+//
+// Rounding differs from the eager ops in the last bits (FMA contraction, the exp approximation in
+// silu), which is why only fast mode uses them. Rows are spread over threads only when there are
+// many (prefill); a few decode rows run on the calling thread, with no fork/join.
+//
+// The binary must not depend on the build machine's CPU: every op is compiled for x86-64-v4
+// (AVX-512) and for the baseline, and the variant is picked at run time.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <tuple>
+
+#include "exp_approx.h"
+
+namespace tm_fused {
+namespace {
+
+using tm_math::exp_nonpos;
+
+#define TF_INLINE inline __attribute__((always_inline))
+
+// fp32 -> bf16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. Branch-free
+// so that it vectorises.
+TF_INLINE uint16_t to_bf16(float f) {
+  const uint32_t b = std::bit_cast<uint32_t>(f);
+  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<uint16_t>(nan ? ((b >> 16) | 0x40u) : rounded);
+}
+
+#define TF_DEFINE_VARIANT(SUFFIX, ATTR)                                                              \
+  ATTR void rope_rows_##SUFFIX(const float* qkv, int64_t row_stride, const float* cos, const float* sin, \
+                               int64_t nq, int64_t nkv, int64_t d, float* q, float* k, int64_t t0,    \
+                               int64_t t1) {                                                        \
+    const int64_t half = d / 2;                                                                      \
+    for (int64_t t = t0; t < t1; ++t) {                                                              \
+      const float* c = cos + t * d;                                                                  \
+      const float* s = sin + t * d;                                                                  \
+      for (int64_t h = 0; h < nq + nkv; ++h) {                                                       \
+        const float* x = qkv + t * row_stride + h * d;                                               \
+        float* o = h < nq ? q + (t * nq + h) * d : k + (t * nkv + h - nq) * d;                       \
+        _Pragma("omp simd") for (int64_t i = 0; i < half; ++i) {                                     \
+          o[i] = x[i] * c[i] - x[i + half] * s[i];                                                   \
+          o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];                              \
+        }                                                                                            \
+      }                                                                                              \
+    }                                                                                                \
+  }                                                                                                  \
+  ATTR void silu_mul_rows_##SUFFIX(const float* gu, int64_t inter, float* out, int64_t t0, int64_t t1) { \
+    for (int64_t t = t0; t < t1; ++t) {                                                              \
+      const float* g = gu + t * 2 * inter;                                                           \
+      const float* u = g + inter;                                                                    \
+      float* o = out + t * inter;                                                                    \
+      _Pragma("omp simd") for (int64_t i = 0; i < inter; ++i) {                                      \
+        const float x = g[i];                                                                        \
+        const float e = exp_nonpos(x > 0.f ? -x : x);                                                \
+        const float sig = x > 0.f ? 1.f / (1.f + e) : e / (1.f + e);                                 \
+        o[i] = x * sig * u[i];                                                                       \
+      }                                                                                              \
+    }                                                                                                \
+  }                                                                                                  \
+  ATTR void add_rms_norm_rows_##SUFFIX(float* x, const float* delta, const float* w, int64_t hidden,  \
+                                       float eps, float* out, int64_t t0, int64_t t1) {             \
+    for (int64_t t = t0; t < t1; ++t) {                                                              \
+      float* xr = x + t * hidden;                                                                    \
+      const float* dr = delta + t * hidden;                                                          \
+      float ss = 0.f;                                                                                \
+      _Pragma("omp simd reduction(+ : ss)") for (int64_t i = 0; i < hidden; ++i) {                   \
+        const float v = xr[i] + dr[i];                                                               \
+        xr[i] = v;                                                                                   \
+        ss += v * v;                                                                                 \
+      }                                                                                              \
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);                      \
+      float* o = out + t * hidden;                                                                   \
+      _Pragma("omp simd") for (int64_t i = 0; i < hidden; ++i) o[i] = w[i] * (xr[i] * inv);          \
+    }                                                                                                \
+  }
+
+#define TF_DEFINE_STORE(SUFFIX, ATTR)                                                                 \
+  ATTR void store_bf16_##SUFFIX(const float* src, uint16_t* dst, int64_t n) {                          \
+    _Pragma("omp simd") for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);                     \
+  }
+
+TF_DEFINE_STORE(base, )
+TF_DEFINE_STORE(avx512, __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))))
+
+TF_DEFINE_VARIANT(base, )
+TF_DEFINE_VARIANT(avx512, __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))))
+
+bool use_avx512() {
+#if defined(__x86_64__)
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+}  // namespace tm_fused

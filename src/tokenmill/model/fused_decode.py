@@ -1,0 +1,69 @@
+"""The fast path's decode step as one C++ call (csrc/decode_step.cpp explains why).
+
+A step whose rows are all decode rows (one token each, or a speculative run of a few tokens of one
+sequence) and few enough for the matrix-vector kernel runs the whole layer stack in one call with one
+OpenMP thread team; every other step (prefill chunks, large batches, exact mode, models or weights the
+kernel does not cover) runs the layers op by op. Both compute the same arithmetic with the same
+kernels, so the outputs agree to float rounding (tests/model/test_fused_decode.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.model.attention import AttentionMetadata, TorchPagedAttention
+from tokenmill.model.kernels import decode_step
+from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS, QuantizedLinear
+from tokenmill.model.quant import BlockedWeight
+
+_EMPTY = torch.empty(0, dtype=torch.float16)
+
+
+def _blocked(linear) -> BlockedWeight | None:
+    """The linear's VNNI weight when it runs the VNNI kernel below BLOCKED_DENSE_MIN_ROWS rows."""
+    if isinstance(linear, QuantizedLinear) and linear.bias is None and linear._vnni is not None:
+        return linear.weight
+    return None
+
+
+class FusedDecodeStack:
+    """Binds a model's layer weights and KV caches to a C++ DecodeStack once; `run` is one step."""
+
+    # Rows above this run op by op: the linears switch to bf16 GEMMs from BLOCKED_DENSE_MIN_ROWS.
+    MAX_ROWS = BLOCKED_DENSE_MIN_ROWS - 1
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether every layer is one the fused step computes: llama-style (no q/k norm, no biases),
+        all four linears on the VNNI kernel, the paged attention kernel, and the fused ops built."""
+        if not isinstance(model.attention, TorchPagedAttention) or not model.attention.kernel:
+            return False
+        if model.config.qk_norm or not decode_step.available():
+            return False
+        return all(_blocked(part) is not None
+                   for layer in model.layers for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        tensors: list[torch.Tensor] = []
+        bits: list[int] = []
+        for layer in model.layers:
+            tensors += [layer.input_norm.contiguous(), layer.post_norm.contiguous()]
+            for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                w = _blocked(part)
+                tensors += [w.codes, w.scales, _EMPTY if w.mins is None else w.mins]
+                bits.append(w.bits)
+        c = model.config
+        self.kv_caches = kv_caches
+        self._stack = decode_step.decode_stack(
+            tensors, bits, [k for k, _ in kv_caches], [v for _, v in kv_caches], model.norm.contiguous(),
+            c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, model.attention.scale)
+
+    @classmethod
+    def handles(cls, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the fused call computes."""
+        return meta.num_decode == num_tokens and 0 < num_tokens <= cls.MAX_ROWS and meta.decode_seq_lens is not None
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; `x` (the embeddings) is used as scratch."""
+        return self._stack.run(x, cos, sin, meta.slot_mapping, meta.decode_block_table, meta.decode_seq_lens,
+                               meta.page_size)

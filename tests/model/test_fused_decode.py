@@ -1,0 +1,112 @@
+"""The fused decode step (csrc/decode_step.cpp) computes what the layers do op by op: the same logits
+to float rounding, the same K/V written to the same slots, for plain decode rows and speculative runs,
+with bf16 and fp32 caches; and a bad slot or page is an error, not a wild write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import make_tiny_model, write_tiny_gguf
+from tokenmill.config import EngineConfig
+from tokenmill.engine.factory import build_engine_core
+from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.kernels import decode_step
+from tokenmill.model.runner import ModelRunner, SeqChunk
+
+pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and AVX512-VNNI")
+
+
+@pytest.fixture(scope="module", params=["Q4_1", "Q8_0", "int8"])
+def fast_runner(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    folder = make_tiny_model(tmp, "llama", tokenizer=False, hidden_size=128, intermediate_size=256)
+    if request.param == "int8":  # a dense checkpoint quantized at load
+        model, quantization = str(folder), "int8"
+    else:
+        model, quantization = str(write_tiny_gguf(folder, tmp / "tiny.gguf", quant=request.param)), "auto"
+
+    def build(kv_dtype: torch.dtype = torch.bfloat16) -> ModelRunner:
+        config = EngineConfig(model=model, precision="fast", quantization=quantization, num_threads=2,
+                              kv_cache_tokens=512)
+        runner = build_engine_core(config).runner
+        return ModelRunner(runner.model, runner.num_pages, runner.page_size, kv_dtype)
+
+    return build
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [int(i) for i in torch.randint(100, 250, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+def prefill(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
+    """Prompts computed op by op (chunks longer than the decode-row limit); each one's pages."""
+    size = runner.page_size
+    pages, first = [], 0
+    for p in prompts:
+        n = -(-(len(p) + 8) // size)  # room for the decode rows too
+        pages.append(list(range(first, first + n)))
+        first += n
+    runner.execute([SeqChunk(p, 0, pg, sample=True) for p, pg in zip(prompts, pages)])
+    return pages
+
+
+def decode_chunks(prompts, pages) -> list[SeqChunk]:
+    # one plain decode row, a speculative run of 4 tokens (last token + 3 drafts), another plain row
+    return [
+        SeqChunk(ids(1, 10), len(prompts[0]), pages[0], sample=True),
+        SeqChunk(ids(4, 11), len(prompts[1]), pages[1], sample=True, num_logits=4),
+        SeqChunk(ids(1, 12), len(prompts[2]), pages[2], sample=True),
+    ]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_fused_step_matches_the_layers_op_by_op(fast_runner, kv_dtype):
+    runner = fast_runner(kv_dtype)
+    model = runner.model
+    assert model.fused_decode, "the tiny quantized llama should take the fused path"
+    prompts = [ids(37, 1), ids(21, 2), ids(50, 3)]
+    pages = prefill(runner, prompts)
+    chunks = decode_chunks(prompts, pages)
+
+    fused = runner.execute(chunks)
+    assert model._decode_stack is not None  # the step really went through the C++ stack
+    fused_kv = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    model.fused_decode = False
+    eager = runner.execute(chunks)  # rewrites the same slots op by op
+
+    assert fused.shape == eager.shape == (1 + 4 + 1, model.config.vocab_size)
+    torch.testing.assert_close(fused, eager, atol=2e-4 * eager.abs().max().item(), rtol=1e-4)
+    assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+    for (kf, vf), (ke, ve) in zip(fused_kv, runner.kv_caches):
+        torch.testing.assert_close(kf.float(), ke.float(), atol=1e-4, rtol=1e-2)
+        torch.testing.assert_close(vf.float(), ve.float(), atol=1e-4, rtol=1e-2)
+
+
+def test_prefill_runs_op_by_op(fast_runner):
+    runner = fast_runner()
+    prefill(runner, [ids(40, 4)])
+    model = runner.model
+    assert model._decode_stack is None  # a prefill chunk never takes the fused path
+
+
+def test_bad_slot_or_page_is_an_error(fast_runner):
+    runner = fast_runner()
+    model = runner.model
+    stack = model._stack_for(runner.kv_caches)
+    hidden, hd = model.config.hidden_size, model.config.head_dim
+    x = torch.randn(1, hidden)
+    cos, sin = torch.ones(1, hd), torch.zeros(1, hd)
+    num_slots = runner.kv_caches[0][0].shape[1]
+
+    def meta(slot: int, page: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=torch.tensor([slot]), num_decode=1, page_size=runner.page_size,
+                                 decode_block_table=torch.tensor([[page]]), decode_mask=None, prefills=[],
+                                 decode_seq_lens=torch.tensor([1]))
+
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        stack.run(x.clone(), cos, sin, meta(num_slots, 0))
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        stack.run(x.clone(), cos, sin, meta(0, runner.num_pages))
+    out = stack.run(x.clone(), cos, sin, meta(0, 0))  # and a good step still runs
+    assert out.shape == (1, hidden) and torch.isfinite(out).all()
