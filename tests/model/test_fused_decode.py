@@ -11,6 +11,7 @@ from tests.tiny_models import make_tiny_model, write_tiny_gguf
 from tokenmill.config import EngineConfig
 from tokenmill.engine.factory import build_engine_core
 from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.fused_decode import FusedDecodeStack
 from tokenmill.model.kernels import decode_step
 from tokenmill.model.runner import ModelRunner, SeqChunk
 
@@ -30,7 +31,7 @@ def fast_runner(request, tmp_path_factory):
         config = EngineConfig(model=model, precision="fast", quantization=quantization, num_threads=2,
                               kv_cache_tokens=512)
         runner = build_engine_core(config).runner
-        return ModelRunner(runner.model, runner.num_pages, runner.page_size, kv_dtype)
+        return ModelRunner(runner.model, runner.num_pages, runner.page_size, kv_dtype, prefill_as_decode_rows=True)
 
     return build
 
@@ -83,11 +84,12 @@ def test_fused_step_matches_the_layers_op_by_op(fast_runner, kv_dtype):
         torch.testing.assert_close(vf.float(), ve.float(), atol=1e-4, rtol=1e-2)
 
 
-def test_prefill_runs_op_by_op(fast_runner):
+def test_large_steps_run_op_by_op(fast_runner):
     runner = fast_runner()
+    prefill(runner, [ids(FusedDecodeStack.MAX_ROWS + 1, 4)])
+    assert runner.model._decode_stack is None  # the linears' bf16 GEMM rows: never the fused path
     prefill(runner, [ids(40, 4)])
-    model = runner.model
-    assert model._decode_stack is None  # a prefill chunk never takes the fused path
+    assert runner.model._decode_stack is not None  # a short prompt is (its rows attend as decode rows)
 
 
 def test_bad_slot_or_page_is_an_error(fast_runner):
@@ -110,3 +112,22 @@ def test_bad_slot_or_page_is_an_error(fast_runner):
         stack.run(x.clone(), cos, sin, meta(0, runner.num_pages))
     out = stack.run(x.clone(), cos, sin, meta(0, 0))  # and a good step still runs
     assert out.shape == (1, hidden) and torch.isfinite(out).all()
+
+
+def test_prompts_attend_through_the_paged_kernel_as_through_sdpa(fast_runner):
+    """Fast mode sends prompt chunks through the paged kernel as runs of rows (and, when few enough,
+    through the fused step): the logits of every prompt token, over two chunks of one prompt and a
+    second prompt beside them, agree with the SDPA path's."""
+    kernel_runner = fast_runner()
+    assert kernel_runner.max_rows_as_decode > 1000
+    sdpa_runner = ModelRunner(kernel_runner.model, kernel_runner.num_pages, kernel_runner.page_size, torch.bfloat16)
+    first, rest, other = ids(45, 5), ids(30, 6), ids(70, 7)
+    results = []
+    for runner in (kernel_runner, sdpa_runner):
+        a = runner.execute([SeqChunk(first, 0, list(range(0, 8)), sample=True, all_logits=True),
+                            SeqChunk(other, 0, list(range(8, 16)), sample=True, all_logits=True)])
+        b = runner.execute([SeqChunk(rest, len(first), list(range(0, 8)), sample=True, all_logits=True)])
+        results.append(torch.cat([a, b]))
+    got, ref = results
+    torch.testing.assert_close(got, ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.98

@@ -17,6 +17,9 @@ from tokenmill.model.llama import LlamaForCausalLM
 
 # Chunks up to this many tokens are attended to as decode rows, one per token (speculative rows, short
 # tails of prompts); longer ones through SDPA, whose per-chunk gather of the context then pays off.
+# With `prefill_as_decode_rows` every chunk is: the C++ kernel computes runs of up to 16 rows of one
+# sequence together, which measured 1.4x faster than SDPA's flash kernel for whole prompts
+# (docs/benchmarks.md).
 MAX_ROWS_AS_DECODE = 16
 
 
@@ -35,8 +38,11 @@ class SeqChunk:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int,
-                 kv_dtype: torch.dtype = torch.float32) -> None:
+                 kv_dtype: torch.dtype = torch.float32, prefill_as_decode_rows: bool = False) -> None:
         self.model = model
+        # Only where the C++ kernel reads the pages in place: the PyTorch path would pad every row.
+        kernel = getattr(model.attention, "kernel", False)
+        self.max_rows_as_decode = 1 << 62 if prefill_as_decode_rows and kernel else MAX_ROWS_AS_DECODE
         self.page_size = page_size
         self.num_pages = num_pages
         c: ModelConfig = model.config
@@ -59,7 +65,7 @@ class ModelRunner:
         """fp32 logits, in the order of `chunks`: `num_logits` rows (usually 1) for each chunk with
         sample=True, one row per token for a chunk with all_logits=True (see _logit_rows)."""
         # Decode rows first: attention batches them together (see attention.py).
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > MAX_ROWS_AS_DECODE)
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > self.max_rows_as_decode)
         ordered = [chunks[i] for i in order]
         input_ids, positions, meta, last_rows = self._prepare(ordered)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
@@ -93,7 +99,7 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
-        decode = [c for c in chunks if len(c.token_ids) <= MAX_ROWS_AS_DECODE]
+        decode = [c for c in chunks if len(c.token_ids) <= self.max_rows_as_decode]
         for c in chunks:
             token_ids.extend(c.token_ids)
             positions.extend(range(c.start, c.start + len(c.token_ids)))
@@ -107,12 +113,15 @@ class ModelRunner:
             # Each token of a short chunk is a decode row of its own: the token at position p attends
             # to positions 0..p of its sequence, through the sequence's block table (the C++ kernel
             # reads pages in place; SDPA would gather the whole context per layer first).
-            row_lengths = [c.start + i + 1 for c in decode for i in range(len(c.token_ids))]
-            nd = len(row_lengths)
-            lengths = torch.tensor(row_lengths)
-            max_pages = -(-max(row_lengths) // size)
+            counts = torch.tensor([len(c.token_ids) for c in decode])
+            nd = int(counts.sum())
+            # row i of a chunk starting at `start` sees start + i + 1 positions
+            first_rows = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+            starts = torch.repeat_interleave(torch.tensor([c.start for c in decode]), counts)
+            lengths = starts + (torch.arange(nd) - first_rows) + 1
+            max_pages = -(-max(c.start + len(c.token_ids) for c in decode) // size)
             page_rows = [c.pages[:max_pages] + [0] * (max_pages - len(c.pages[:max_pages])) for c in decode]
-            table = torch.tensor([page_rows[j] for j, c in enumerate(decode) for _ in c.token_ids])
+            table = torch.tensor(page_rows).repeat_interleave(counts, dim=0)
             last = lengths - 1
             slot_parts.append(table[torch.arange(nd), last // size] * size + last % size)
 
