@@ -131,3 +131,19 @@ def test_prompts_attend_through_the_paged_kernel_as_through_sdpa(fast_runner):
     got, ref = results
     torch.testing.assert_close(got, ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.98
+
+
+def test_large_steps_keep_activations_in_bf16_with_the_same_results(fast_runner):
+    """From the linears' bf16-GEMM row count on, the fused ops pass bf16 activations straight to
+    and from the GEMMs instead of converting them to float32 and back: the same numbers, up to the
+    order in which a norm adds its squares."""
+    runner = fast_runner()
+    model = runner.model
+    assert model.bf16_rows == FusedDecodeStack.MAX_ROWS + 1
+    prompt = ids(model.bf16_rows + 20, 8)
+    chunk = [SeqChunk(prompt, 0, list(range(0, 16)), sample=True, all_logits=True)]
+    got = runner.execute(chunk)
+    model.bf16_rows = None  # float32 activations, each GEMM converting its input and output
+    ref = runner.execute(chunk)
+    torch.testing.assert_close(got, ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95

@@ -49,3 +49,32 @@ def test_silu_mul_and_residual_norm(rows):
     h = fused_ops.add_rms_norm_(x_in_place, delta, w, 1e-5)
     torch.testing.assert_close(x_in_place, x + delta)
     torch.testing.assert_close(h, F.rms_norm(x + delta, (576,), w, 1e-5))
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_bf16_inputs_and_outputs_are_the_float32_results_rounded(rows):
+    """Large prefill steps keep the linears' activations in bf16: each op reads bf16 as the float32
+    it stands for and rounds its output as torch rounds to bf16 (ties to even)."""
+    gate_up = (torch.randn(rows, 2 * 1536) * 4).bfloat16()
+    out = fused_ops.silu_mul(gate_up)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, fused_ops.silu_mul(gate_up.float()).bfloat16())
+
+    x, delta, w = torch.randn(rows, 576), torch.randn(rows, 576).bfloat16(), torch.randn(576)
+    x16, x32 = x.clone(), x.clone()
+    h16 = fused_ops.add_rms_norm_(x16, delta, w, 1e-5, bf16_out=True)
+    h32 = fused_ops.add_rms_norm_(x32, delta.float(), w, 1e-5)
+    torch.testing.assert_close(x16, x32)  # the residual stream stays float32
+    assert h16.dtype == torch.bfloat16
+    # the sum of squares may be added in another order: at most one bf16 step apart
+    torch.testing.assert_close(h16.float(), h32.bfloat16().float(), atol=0, rtol=2 ** -7)
+
+    nq, nkv, d = 9, 3, 64
+    qkv = torch.randn(rows, (nq + 2 * nkv) * d).bfloat16()
+    cos, sin = torch.randn(rows, d), torch.randn(rows, d)
+    k16, v16 = torch.zeros(nkv, 100, d, dtype=torch.bfloat16), torch.zeros(nkv, 100, d, dtype=torch.bfloat16)
+    k32, v32 = k16.clone(), v16.clone()
+    slots = torch.randperm(100)[:rows]
+    q16 = fused_ops.rope_store(qkv, cos, sin, nq, nkv, k16, v16, slots)
+    q32 = fused_ops.rope_store(qkv.float(), cos, sin, nq, nkv, k32, v32, slots)
+    assert q16.dtype == torch.float32 and torch.equal(q16, q32)
+    assert torch.equal(k16, k32) and torch.equal(v16, v32)

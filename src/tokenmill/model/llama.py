@@ -77,15 +77,16 @@ class DecoderLayer:
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
-    def forward_fused(self, x, h, cos, sin, attention, k_cache, v_cache, meta) -> torch.Tensor:
+    def forward_fused(self, x, h, cos, sin, attention, k_cache, v_cache, meta, bf16: bool = False) -> torch.Tensor:
         """Fast path with the fused C++ steps: `h` is this layer's normed input; adds the attention
         output to `x` in place and returns the MLP output, which the caller adds to `x` together with
-        the next norm (one pass instead of two)."""
+        the next norm (one pass instead of two). With `bf16` (large steps, whose linears run bf16
+        GEMMs) the linears' inputs and outputs stay bf16: the same numbers without conversions."""
         qkv = self.qkv(h)
         q = fused_ops.rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, k_cache, v_cache,
                                  meta.slot_mapping)
         attn = attention.attend(q, k_cache, v_cache, meta)
-        h = fused_ops.add_rms_norm_(x, self.o_proj(attn), self.post_norm, self.eps)
+        h = fused_ops.add_rms_norm_(x, self.o_proj(attn), self.post_norm, self.eps, bf16)
         return self.down(fused_ops.silu_mul(self.gate_up(h)))
 
 
@@ -116,6 +117,10 @@ class LlamaForCausalLM:
         self.fused = self.fused and isinstance(self.attention, TorchPagedAttention)  # fp32 caches it writes
         # Decode steps of the fast path as one C++ call over all layers (model/fused_decode.py).
         self.fused_decode = self.fused and FusedDecodeStack.supports(self)
+        # Steps of at least this many rows keep the linears' activations in bf16 (None: never).
+        starts = {part.bf16_from_rows if isinstance(part, QuantizedLinear) else None
+                  for layer in self.layers for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)}
+        self.bf16_rows = starts.pop() if self.fused and len(starts) == 1 else None
         self._decode_stack: FusedDecodeStack | None = None
 
     def forward(
@@ -132,11 +137,13 @@ class LlamaForCausalLM:
             return self._stack_for(kv_caches).run(x, cos, sin, meta)
         if self.fused:
             eps = self.config.rms_norm_eps
+            bf16 = self.bf16_rows is not None and x.shape[0] >= self.bf16_rows
             h = fused_rms_norm(x, self.layers[0].input_norm, eps)
+            h = h.to(torch.bfloat16) if bf16 else h
             norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
-            for layer, (k_cache, v_cache), next_norm in zip(self.layers, kv_caches, norms):
-                delta = layer.forward_fused(x, h, cos, sin, self.attention, k_cache, v_cache, meta)
-                h = fused_ops.add_rms_norm_(x, delta, next_norm, eps)
+            for i, (layer, (k_cache, v_cache), next_norm) in enumerate(zip(self.layers, kv_caches, norms)):
+                delta = layer.forward_fused(x, h, cos, sin, self.attention, k_cache, v_cache, meta, bf16)
+                h = fused_ops.add_rms_norm_(x, delta, next_norm, eps, bf16 and i + 1 < len(self.layers))
             return h
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, self.attention, k_cache, v_cache, meta)

@@ -212,8 +212,8 @@ struct DecodeStack : torch::CustomClassHolder {
             const float* vs = qkv + t * qkv_n + (nq + nkv + j) * hd;
             const int64_t at = (j * num_slots + sp[t]) * hd;
             if (bf16_cache) {
-              tm_fused::store_bf16_avx512(ks, static_cast<uint16_t*>(l.k_cache) + at, hd);
-              tm_fused::store_bf16_avx512(vs, static_cast<uint16_t*>(l.v_cache) + at, hd);
+              tm_fused::convert_avx512(ks, static_cast<uint16_t*>(l.k_cache) + at, hd);
+              tm_fused::convert_avx512(vs, static_cast<uint16_t*>(l.v_cache) + at, hd);
             } else {
               std::memcpy(static_cast<float*>(l.k_cache) + at, ks, hd * sizeof(float));
               std::memcpy(static_cast<float*>(l.v_cache) + at, vs, hd * sizeof(float));

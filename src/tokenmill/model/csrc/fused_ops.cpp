@@ -2,6 +2,8 @@
 
 #include "fused_ops.h"
 
+#include <type_traits>
+
 namespace {
 
 using namespace tm_fused;
@@ -9,32 +11,59 @@ using namespace tm_fused;
 // Rows per thread chunk: below this many rows everything runs on the calling thread.
 constexpr int64_t kRowGrain = 16;
 
-void check_float_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, name,
-              " must be a float32 [rows, n] tensor with contiguous rows");
+// float32 or bfloat16 rows, contiguous within a row.
+bool check_rows(const at::Tensor& t, const char* name) {
+  const bool bf16 = t.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(t.dim() == 2 && (bf16 || t.scalar_type() == at::kFloat) && t.stride(1) == 1, name,
+              " must be a float32 or bfloat16 [rows, n] tensor with contiguous rows");
+  return bf16;
+}
+
+const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+uint16_t* bf16_ptr(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+// Calls fn(const In*) with the tensor's data as float or bf16 (uint16_t).
+template <typename Fn>
+void with_input(const at::Tensor& t, bool bf16, Fn&& fn) {
+  if (bf16) fn(bf16_ptr(t));
+  else fn(t.data_ptr<float>());
+}
+
+template <typename Fn>
+void with_output(at::Tensor& t, bool bf16, Fn&& fn) {
+  if (bf16) fn(bf16_ptr(t));
+  else fn(t.data_ptr<float>());
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos_in, const at::Tensor& sin_in,
                                            int64_t nq, int64_t nkv) {
-  check_float_rows(qkv, "qkv");
+  const bool bf16 = check_rows(qkv, "qkv");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const int64_t T = qkv.size(0), d = cos.size(-1);
   TORCH_CHECK(d % 2 == 0 && cos.numel() == T * d && sin.numel() == T * d, "cos and sin must be [T, head_dim]");
   TORCH_CHECK(qkv.size(1) >= (nq + nkv) * d, "qkv has fewer columns than the q and k heads need");
-  at::Tensor q = at::empty({T, nq, d}, qkv.options());
-  at::Tensor k = at::empty({T, nkv, d}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
+  const auto options = qkv.options().dtype(at::kFloat);
+  at::Tensor q = at::empty({T, nq, d}, options);
+  at::Tensor k = at::empty({T, nkv, d}, options);
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
   const int64_t stride = qkv.stride(0);
   const bool wide = use_avx512();
-  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-    if (wide) rope_rows_avx512(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
-    else rope_rows_base(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
+  with_input(qkv, bf16, [&](const auto* src) {
+    at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+      if (wide) rope_rows_avx512(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
+      else rope_rows_base(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
+    });
   });
   return {q, k};
+}
+
+template <typename In, typename Cache>
+void store_row(bool wide, const In* src, Cache* dst, int64_t n) {
+  if (wide) convert_avx512(src, dst, n);
+  else convert_base(src, dst, n);
 }
 
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t nq, int64_t nkv,
@@ -51,66 +80,64 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   TORCH_CHECK(slots.numel() == T, "one slot per token");
   const int64_t num_slots = k_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the cache");
   const bool wide = use_avx512();
   const float* kp = k.data_ptr<float>();
-  const float* src = qkv.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the cache");
-    for (int64_t h = 0; h < nkv; ++h) {
-      const float* ks = kp + (t * nkv + h) * d;
-      const float* vs = src + t * qkv.stride(0) + (nq + nkv + h) * d;
-      const int64_t at = (h * num_slots + sp[t]) * d;
-      if (bf16) {
-        uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr()) + at;
-        uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr()) + at;
-        if (wide) {
-          store_bf16_avx512(ks, kc, d);
-          store_bf16_avx512(vs, vc, d);
-        } else {
-          store_bf16_base(ks, kc, d);
-          store_bf16_base(vs, vc, d);
+  const int64_t stride = qkv.stride(0);
+  with_input(qkv, qkv.scalar_type() == at::kBFloat16, [&](const auto* src) {
+    with_output(k_cache, bf16, [&](auto* kc) {
+      auto* vc = reinterpret_cast<decltype(kc)>(v_cache.data_ptr());
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t h = 0; h < nkv; ++h) {
+          const int64_t at = (h * num_slots + sp[t]) * d;
+          store_row(wide, kp + (t * nkv + h) * d, kc + at, d);
+          store_row(wide, src + t * stride + (nq + nkv + h) * d, vc + at, d);
         }
-      } else {
-        std::memcpy(k_cache.data_ptr<float>() + at, ks, d * sizeof(float));
-        std::memcpy(v_cache.data_ptr<float>() + at, vs, d * sizeof(float));
       }
-    }
-  }
+    });
+  });
   return q;
 }
 
+// silu(gate) * up, in the input's dtype.
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   const at::Tensor gate_up = gate_up_in.contiguous();
-  check_float_rows(gate_up, "gate_up");
+  const bool bf16 = check_rows(gate_up, "gate_up");
   const int64_t T = gate_up.size(0), inter = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
   at::Tensor out = at::empty({T, inter}, gate_up.options());
-  const float* src = gate_up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
   const bool wide = use_avx512();
-  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-    if (wide) silu_mul_rows_avx512(src, inter, o, t0, t1);
-    else silu_mul_rows_base(src, inter, o, t0, t1);
+  with_input(gate_up, bf16, [&](const auto* src) {
+    auto* o = reinterpret_cast<std::remove_const_t<std::remove_pointer_t<decltype(src)>>*>(out.data_ptr());
+    at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+      if (wide) silu_mul_rows_avx512(src, inter, o, t0, t1);
+      else silu_mul_rows_base(src, inter, o, t0, t1);
+    });
   });
   return out;
 }
 
-at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta_in, const at::Tensor& w_in, double eps) {
+// x += delta (float32 or bfloat16); returns RMSNorm(x) * w, in bfloat16 when bf16_out.
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta_in, const at::Tensor& w_in, double eps,
+                         bool bf16_out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous float32 [T, hidden]");
   const at::Tensor delta = delta_in.contiguous(), w = w_in.contiguous();
-  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == at::kFloat, "delta must match x");
+  TORCH_CHECK(delta.sizes() == x.sizes(), "delta must match x");
+  const bool bf16_in = check_rows(delta, "delta");
   const int64_t T = x.size(0), hidden = x.size(1);
   TORCH_CHECK(w.numel() == hidden && w.scalar_type() == at::kFloat, "weight must be float32 [hidden]");
-  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   float* xp = x.data_ptr<float>();
-  const float* dp = delta.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  float* o = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
   const bool wide = use_avx512();
-  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-    if (wide) add_rms_norm_rows_avx512(xp, dp, wp, hidden, e, o, t0, t1);
-    else add_rms_norm_rows_base(xp, dp, wp, hidden, e, o, t0, t1);
+  with_input(delta, bf16_in, [&](const auto* dp) {
+    with_output(out, bf16_out, [&](auto* o) {
+      at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+        if (wide) add_rms_norm_rows_avx512(xp, dp, wp, hidden, e, o, t0, t1);
+        else add_rms_norm_rows_base(xp, dp, wp, hidden, e, o, t0, t1);
+      });
+    });
   });
   return out;
 }
@@ -122,5 +149,5 @@ TORCH_LIBRARY(tokenmill_fused, m) {
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nq, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slots) -> Tensor", &rope_store);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
-  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor", &add_rms_norm_);
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps, bool bf16_out=False) -> Tensor", &add_rms_norm_);
 }

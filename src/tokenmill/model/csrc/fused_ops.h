@@ -46,8 +46,16 @@ TF_INLINE uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(nan ? ((b >> 16) | 0x40u) : rounded);
 }
 
+// Elements are read and written as fp32 or bf16 (uint16_t), computed in fp32: large prefill steps
+// keep the linears' bf16 inputs and outputs in bf16 (no conversion pass on either side).
+TF_INLINE float load(const float* p, int64_t i) { return p[i]; }
+TF_INLINE float load(const uint16_t* p, int64_t i) { return std::bit_cast<float>(static_cast<uint32_t>(p[i]) << 16); }
+TF_INLINE void put(float* p, int64_t i, float v) { p[i] = v; }
+TF_INLINE void put(uint16_t* p, int64_t i, float v) { p[i] = to_bf16(v); }
+
 #define TF_DEFINE_VARIANT(SUFFIX, ATTR)                                                              \
-  ATTR void rope_rows_##SUFFIX(const float* qkv, int64_t row_stride, const float* cos, const float* sin, \
+  template <typename In>                                                                             \
+  ATTR void rope_rows_##SUFFIX(const In* qkv, int64_t row_stride, const float* cos, const float* sin, \
                                int64_t nq, int64_t nkv, int64_t d, float* q, float* k, int64_t t0,    \
                                int64_t t1) {                                                        \
     const int64_t half = d / 2;                                                                      \
@@ -55,52 +63,51 @@ TF_INLINE uint16_t to_bf16(float f) {
       const float* c = cos + t * d;                                                                  \
       const float* s = sin + t * d;                                                                  \
       for (int64_t h = 0; h < nq + nkv; ++h) {                                                       \
-        const float* x = qkv + t * row_stride + h * d;                                               \
+        const In* x = qkv + t * row_stride + h * d;                                                  \
         float* o = h < nq ? q + (t * nq + h) * d : k + (t * nkv + h - nq) * d;                       \
         _Pragma("omp simd") for (int64_t i = 0; i < half; ++i) {                                     \
-          o[i] = x[i] * c[i] - x[i + half] * s[i];                                                   \
-          o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];                              \
+          const float a = load(x, i), b = load(x, i + half);                                         \
+          o[i] = a * c[i] - b * s[i];                                                                \
+          o[i + half] = b * c[i + half] + a * s[i + half];                                           \
         }                                                                                            \
       }                                                                                              \
     }                                                                                                \
   }                                                                                                  \
-  ATTR void silu_mul_rows_##SUFFIX(const float* gu, int64_t inter, float* out, int64_t t0, int64_t t1) { \
+  template <typename In, typename Out>                                                               \
+  ATTR void silu_mul_rows_##SUFFIX(const In* gu, int64_t inter, Out* out, int64_t t0, int64_t t1) {  \
     for (int64_t t = t0; t < t1; ++t) {                                                              \
-      const float* g = gu + t * 2 * inter;                                                           \
-      const float* u = g + inter;                                                                    \
-      float* o = out + t * inter;                                                                    \
+      const In* g = gu + t * 2 * inter;                                                              \
+      const In* u = g + inter;                                                                       \
+      Out* o = out + t * inter;                                                                      \
       _Pragma("omp simd") for (int64_t i = 0; i < inter; ++i) {                                      \
-        const float x = g[i];                                                                        \
+        const float x = load(g, i);                                                                  \
         const float e = exp_nonpos(x > 0.f ? -x : x);                                                \
         const float sig = x > 0.f ? 1.f / (1.f + e) : e / (1.f + e);                                 \
-        o[i] = x * sig * u[i];                                                                       \
+        put(o, i, x * sig * load(u, i));                                                             \
       }                                                                                              \
     }                                                                                                \
   }                                                                                                  \
-  ATTR void add_rms_norm_rows_##SUFFIX(float* x, const float* delta, const float* w, int64_t hidden,  \
-                                       float eps, float* out, int64_t t0, int64_t t1) {             \
+  template <typename In, typename Out>                                                               \
+  ATTR void add_rms_norm_rows_##SUFFIX(float* x, const In* delta, const float* w, int64_t hidden,     \
+                                       float eps, Out* out, int64_t t0, int64_t t1) {               \
     for (int64_t t = t0; t < t1; ++t) {                                                              \
       float* xr = x + t * hidden;                                                                    \
-      const float* dr = delta + t * hidden;                                                          \
+      const In* dr = delta + t * hidden;                                                             \
       float ss = 0.f;                                                                                \
       _Pragma("omp simd reduction(+ : ss)") for (int64_t i = 0; i < hidden; ++i) {                   \
-        const float v = xr[i] + dr[i];                                                               \
+        const float v = xr[i] + load(dr, i);                                                         \
         xr[i] = v;                                                                                   \
         ss += v * v;                                                                                 \
       }                                                                                              \
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);                      \
-      float* o = out + t * hidden;                                                                   \
-      _Pragma("omp simd") for (int64_t i = 0; i < hidden; ++i) o[i] = w[i] * (xr[i] * inv);          \
+      Out* o = out + t * hidden;                                                                     \
+      _Pragma("omp simd") for (int64_t i = 0; i < hidden; ++i) put(o, i, w[i] * (xr[i] * inv));      \
     }                                                                                                \
+  }                                                                                                  \
+  template <typename In, typename Out>                                                               \
+  ATTR void convert_##SUFFIX(const In* src, Out* dst, int64_t n) {                                   \
+    _Pragma("omp simd") for (int64_t i = 0; i < n; ++i) put(dst, i, load(src, i));                   \
   }
-
-#define TF_DEFINE_STORE(SUFFIX, ATTR)                                                                 \
-  ATTR void store_bf16_##SUFFIX(const float* src, uint16_t* dst, int64_t n) {                          \
-    _Pragma("omp simd") for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);                     \
-  }
-
-TF_DEFINE_STORE(base, )
-TF_DEFINE_STORE(avx512, __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))))
 
 TF_DEFINE_VARIANT(base, )
 TF_DEFINE_VARIANT(avx512, __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))))

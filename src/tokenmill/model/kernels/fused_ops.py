@@ -33,9 +33,11 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int,
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up], in gate_up's dtype (float32 or bfloat16)."""
     return torch.ops.tokenmill_fused.silu_mul.default(gate_up)
 
 
-def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x += delta in place; returns RMSNorm(x) * weight."""
-    return torch.ops.tokenmill_fused.add_rms_norm_.default(x, delta, weight, eps)
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                  bf16_out: bool = False) -> torch.Tensor:
+    """x += delta (float32 or bfloat16) in place; returns RMSNorm(x) * weight (bfloat16 if bf16_out)."""
+    return torch.ops.tokenmill_fused.add_rms_norm_.default(x, delta, weight, eps, bf16_out)

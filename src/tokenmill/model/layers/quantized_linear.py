@@ -48,7 +48,11 @@ class QuantizedLinear:
         if isinstance(self.weight, BlockedWeight):
             if x.shape[0] >= self._vnni_rows:
                 w = quant_kernel.blocked_dequantize_bf16(self.weight)
-                out = F.linear(x.to(torch.bfloat16), w).float()
+                out = F.linear(x.to(torch.bfloat16), w)
+                # bf16 in, bf16 out: the caller's fused ops read and write bf16 (no conversion passes)
+                if x.dtype == torch.bfloat16 and self.bias is None:
+                    return out
+                out = out.float()
             else:
                 out = quant_kernel.blocked_linear(x, self.weight)
         elif self.kernel and x.shape[0] < self.dense_min_rows:
@@ -57,6 +61,14 @@ class QuantizedLinear:
             w = quant_kernel.dequantize(self.weight) if self.kernel else self.weight.dequantize(torch.bfloat16)
             out = F.linear(x.to(torch.bfloat16), w).float()
         return out if self.bias is None else out.add_(self.bias)
+
+    @property
+    def bf16_from_rows(self) -> int | None:
+        """From how many rows a bf16 input gives a bf16 output (the dequantize + bf16 GEMM path), or
+        None where the layer always returns float32."""
+        if isinstance(self.weight, BlockedWeight) and self.bias is None and self.dense_min_rows < NEVER_DENSE:
+            return self._vnni_rows
+        return None
 
     def describe(self) -> str:
         if isinstance(self.weight, BlockedWeight):
