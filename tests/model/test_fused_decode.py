@@ -66,6 +66,7 @@ def test_fused_step_matches_the_layers_op_by_op(fast_runner, kv_dtype):
     runner = fast_runner(kv_dtype)
     model = runner.model
     assert model.fused_decode, "the tiny quantized llama should take the fused path"
+    assert any("fused C++ call" in line for line in model.describe())  # the start-up log says so
     prompts = [ids(37, 1), ids(21, 2), ids(50, 3)]
     pages = prefill(runner, prompts)
     chunks = decode_chunks(prompts, pages)

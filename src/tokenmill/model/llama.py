@@ -183,7 +183,13 @@ class LlamaForCausalLM:
         first = self.layers[0]
         parts = {"qkv": first.qkv, "o_proj": first.o_proj, "gate_up": first.gate_up, "down": first.down,
                  "lm_head": self.lm_head}
-        return [f"{name}: {layer.describe()}" for name, layer in parts.items()]
+        lines = [f"{name}: {layer.describe()}" for name, layer in parts.items()]
+        if self.fused_decode:
+            lines.append(f"steps of all decode rows (up to {FusedDecodeStack.MAX_ROWS}): one fused C++ call "
+                         "over the layer stack")
+        if self.bf16_rows is not None:
+            lines.append(f"steps of {self.bf16_rows}+ rows: bf16 activations between the GEMMs and the fused ops")
+        return lines
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that sample; the sampler always sees fp32."""
