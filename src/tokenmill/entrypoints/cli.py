@@ -156,10 +156,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if args.max_request_bytes is not None:
         config = dataclasses.replace(config, max_request_bytes=args.max_request_bytes)
+    if args.shutdown_timeout is not None:
+        config = dataclasses.replace(config, shutdown_timeout=args.shutdown_timeout)
     try:
         return run_server(config)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
         return 0
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -183,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the file's name)")
     p.add_argument("--max-request-bytes", type=_positive_int, default=None,
                    help="larger request bodies get 413 before they are read (default: 4 MiB)")
+    p.add_argument("--shutdown-timeout", type=_non_negative_float, default=None,
+                   help="on SIGTERM, seconds the running requests get to finish while new ones get 503; "
+                        "the rest then end with finish_reason 'abort' (default: 20)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -69,7 +69,7 @@ class Seq:
 
 
 class _SeqState:
-    __slots__ = ("queue", "index", "arrival", "last_time", "finished", "record")
+    __slots__ = ("queue", "index", "arrival", "last_time", "finished", "record", "num_output_tokens")
 
     def __init__(self, queue: asyncio.Queue, index: int, arrival: float, record: bool) -> None:
         self.queue = queue
@@ -78,6 +78,7 @@ class _SeqState:
         self.last_time: float | None = None
         self.finished = False
         self.record = record  # health probes stay out of the latency histograms
+        self.num_output_tokens = 0  # as last reported: the usage of a request ended by the server
 
 
 def child_params(params: SamplingParams, k: int, all_prompt_logprobs: bool = False) -> SamplingParams:
@@ -111,6 +112,7 @@ class TokenizerManager:
         self._startup_failed = asyncio.Event()
         self._health: asyncio.Task[bool] | None = None
         self._shutting_down = False
+        self.draining = False  # set by drain(): new requests get 503, running ones may finish
         self._recv_task = asyncio.create_task(self._recv_loop())
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -156,6 +158,28 @@ class TokenizerManager:
         if not self._shutting_down:
             self.mark_unhealthy(f"the {name} process exited with code {returncode}")
 
+    async def drain(self, timeout: float) -> int:
+        """Graceful shutdown, first half: refuse new requests (503) and give the running ones up to
+        `timeout` seconds to finish; then abort the rest, each ending with a final output whose
+        finish_reason is "abort" and then an error, so a stream still gets its last chunk, an error
+        event and [DONE]. Returns how many sequences were aborted."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while any(s.record and not s.finished for s in self._states.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = [rid for rid, s in self._states.items() if not s.finished]
+        error = RequestError(f"the server shut down before this request finished (drain timeout {timeout:g} s)",
+                             503, code="server_shutting_down")
+        for rid in left:
+            state = self._states[rid]
+            self._to_scheduler.send(AbortRequest(rid))
+            state.finished = True
+            state.queue.put_nowait((state.index, TextOutput(rid, "", [], True, "abort", None, state.num_output_tokens)))
+            state.queue.put_nowait(error)
+        if left:
+            logger.warning("drain: %d request(s) still running after %g s were aborted", len(left), timeout)
+        return len(left)
+
     async def shutdown(self) -> None:
         self._shutting_down = True
         for rid in list(self._states):
@@ -165,6 +189,9 @@ class TokenizerManager:
 
     # ---- requests ----------------------------------------------------------------------------
     def check_ready(self) -> None:
+        if self.draining:
+            raise RequestError("the server is shutting down; send the request to another server", 503,
+                               code="server_shutting_down")
         if self.status is ServerStatus.STARTING:
             raise RequestError("the server is starting; retry when /health returns 200", 503)
         if self.status is ServerStatus.UNHEALTHY:
@@ -333,6 +360,7 @@ class TokenizerManager:
                 state.last_time = now
             if out.finished:
                 self.metrics.observe_finished(now - state.arrival, out.finish_reason)
+        state.num_output_tokens = out.num_output_tokens
         if out.finished:
             state.finished = True
         state.queue.put_nowait((state.index, out))

@@ -48,8 +48,10 @@ from tokenmill.ipc.channels import IpcPaths
 
 logger = logging.getLogger(__name__)
 
-# Streams still open at shutdown get this long to finish before uvicorn cuts them.
+# After the drain, connections still open get this long to close before uvicorn cuts them.
 GRACEFUL_SHUTDOWN_S = 5
+# How long running requests may take to finish after SIGTERM before they are aborted (--shutdown-timeout).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class ServerConfig:
     served_model_name: str | None = None
     log_level: str = "WARNING"
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 class ServerState:
@@ -110,6 +113,7 @@ def build_app(
 
     app = FastAPI(title="tokenmill", lifespan=None if state else lifespan,
                   description="An OpenAI-compatible LLM inference server (plus vLLM's extra fields and endpoints).")
+    app.state.server = server  # run_server drains its manager on SIGTERM
     install_handlers(app)
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest])
     # Outermost last: the log sees every response, the 413s included.
@@ -130,6 +134,8 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         manager = server.manager
+        if manager.draining:
+            return error_response("the server is shutting down", 503)
         if await manager.health():
             return Response(status_code=200)
         reason = {
@@ -206,8 +212,40 @@ def run_server(config: ServerConfig) -> int:
         # RequestLogMiddleware writes the access log (with token counts); uvicorn's would repeat it.
         access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    uv_server = uvicorn.Server(uv_config)
+    uv_server = DrainingServer(uv_config, lambda: app.state.server, config.shutdown_timeout)
     uv_server.run()
     if not uv_server.started and exit_code == 0:
         exit_code = 1  # e.g. the port is taken: uvicorn logged why
     return exit_code
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM or SIGINT drains before it stops: new requests get 503 while
+    the running ones have `shutdown_timeout` seconds to finish, the rest end with a final "abort"
+    chunk, an error event and [DONE] (TokenizerManager.drain); only then does uvicorn close the
+    connections, and the process exits 0. A second signal stops at once, as plain uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, state: Callable[[], ServerState], shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self._state = state
+        self._shutdown_timeout = shutdown_timeout
+        self._drain: asyncio.Task | None = None
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        manager = getattr(self._state(), "manager", None)
+        if self._draining or manager is None or not self.started or self.should_exit:
+            super().handle_exit(sig, frame)  # a second signal, or nothing to drain yet
+            return
+        self._draining = True
+        logger.warning("received signal %d: draining (up to %g s) before shutting down", sig, self._shutdown_timeout)
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(self._start_drain, manager)
+
+    def _start_drain(self, manager: TokenizerManager) -> None:
+        async def drain() -> None:
+            await manager.drain(self._shutdown_timeout)
+            await asyncio.sleep(0.2)  # the streams' last chunks reach their sockets
+            self.should_exit = True
+
+        self._drain = asyncio.ensure_future(drain())
