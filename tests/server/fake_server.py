@@ -32,6 +32,7 @@ class FakeManager:
     def __init__(self, tokenizer: Tokenizer, reply: str = "Hello!") -> None:
         self.status = ServerStatus.UP
         self.unhealthy_reason: str | None = None
+        self.draining = False
         self.tokenizer = tokenizer
         self.stats = None
         self.limits = SchedulerReady(model_name=MODEL, max_model_len=MAX_MODEL_LEN, vocab_size=tokenizer.vocab_size,
