@@ -2,6 +2,8 @@
 
 The prompt is rendered by the same Tokenizer.apply_chat_template as the offline `LLM.chat` (sandboxed
 jinja2, tools and chat_template_kwargs passed to the template), so both give the same prompt ids.
+With a reasoning parser (`--reasoning-parser`), each choice's output is split into
+`reasoning_content` and `content` (frontend/reasoning_parser.py) and usage counts the reasoning tokens.
 """
 
 from __future__ import annotations
@@ -34,11 +36,25 @@ from tokenmill.entrypoints.openai.serving_common import (
     unless_disconnected,
     usage,
 )
-from tokenmill.frontend.tokenizer_manager import RequestError, Seq, child_params
+from tokenmill.frontend.reasoning_parser import ReasoningDelta, ReasoningParser, ReasoningState
+from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
 from tokenmill.ipc.messages import TextOutput
 
 
 class ChatServing(ServingBase):
+    def __init__(self, manager: TokenizerManager, reasoning_parser: ReasoningParser | None = None) -> None:
+        super().__init__(manager)
+        self.reasoning_parser = reasoning_parser
+        self._end_ids: list[int] | None = None
+
+    def _reasoning_states(self, n: int) -> list[ReasoningState] | None:
+        if self.reasoning_parser is None:
+            return None
+        if self._end_ids is None:
+            assert self.manager.tokenizer is not None
+            self._end_ids = self.manager.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False)
+        return [self.reasoning_parser.new_state(self._end_ids) for _ in range(n)]
+
     async def create(self, raw: Request) -> Response:
         arrival = time.monotonic()
         req = await parse_body(raw, ChatCompletionRequest)
@@ -82,10 +98,26 @@ class ChatServing(ServingBase):
         prompt_tokens: int, want_logprobs: bool,
     ) -> dict:
         choices = [Choice() for _ in range(n)]
+        states = self._reasoning_states(n)
+        reasoning: list[list[str]] = [[] for _ in range(n)]
         async for i, out in outputs:
-            choices[i].add(out)
+            if states is None:
+                choices[i].add(out)
+                continue
+            choices[i].add(out, keep_text=False)
+            choices[i].logprobs.extend(out.logprobs or ())
+            for part in _split(states[i], out):
+                reasoning[i].append(part.reasoning)
+                choices[i].text.append(part.content)
         if any(c.finish_reason == "abort" for c in choices):
             raise RequestError("the server aborted the request before it finished", 503)
+
+        def message(i: int) -> dict:
+            body = {"role": "assistant", "content": "".join(choices[i].text)}
+            if states is not None:
+                body["reasoning_content"] = "".join(reasoning[i]) or None
+            return body
+
         return {
             "id": request_id,
             "object": "chat.completion",
@@ -94,14 +126,14 @@ class ChatServing(ServingBase):
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "message": message(i),
                     "logprobs": chat_logprobs(c.logprobs, self.texts) if want_logprobs else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
                 for i, c in enumerate(choices)
             ],
-            "usage": usage(prompt_tokens, choices, n),
+            "usage": _usage(prompt_tokens, choices, n, states),
         }
 
     async def _stream(
@@ -121,18 +153,21 @@ class ChatServing(ServingBase):
             return sse(payload)
 
         choices = [Choice() for _ in range(n)]
+        states = self._reasoning_states(n)
         try:
             for i in range(n):
                 yield chunk(i, {"role": "assistant", "content": ""})
             async for i, out in outputs:
                 choices[i].add(out, keep_text=False)
-                if not (out.text or out.logprobs or out.finished):
-                    continue  # text held back (half a character, a possible stop string)
-                logprobs = chat_logprobs(out.logprobs, self.texts) if want_logprobs and out.logprobs else None
                 delta = {"content": out.text} if out.text else {}
+                if states is not None:
+                    delta = _delta_of(_split(states[i], out))
+                if not (delta or out.logprobs or out.finished):
+                    continue  # text held back (half a character, a possible stop string or marker)
+                logprobs = chat_logprobs(out.logprobs, self.texts) if want_logprobs and out.logprobs else None
                 yield chunk(i, delta, logprobs, out.finish_reason if out.finished else None, out.stop_reason)
         except Exception as exc:  # includes RequestError: the stream ends as an error, never hangs
-            record.set_usage(usage(prompt_tokens, choices, n))
+            record.set_usage(_usage(prompt_tokens, choices, n, states))
             error = as_request_error(exc)
             for i, c in enumerate(choices):
                 if c.finish_reason is None:
@@ -140,8 +175,32 @@ class ChatServing(ServingBase):
             yield sse_error(error)
             yield DONE
             return
-        final_usage = usage(prompt_tokens, choices, n)
+        final_usage = _usage(prompt_tokens, choices, n, states)
         record.set_usage(final_usage)
         if include_usage:
             yield sse({**base, "choices": [], "usage": final_usage})
         yield DONE
+
+
+def _split(state: ReasoningState, out: TextOutput) -> list[ReasoningDelta]:
+    parts = [state.feed(out.text, out.token_ids)]
+    if out.finished:
+        parts.append(state.finish())
+    return parts
+
+
+def _delta_of(parts: list[ReasoningDelta]) -> dict[str, str]:
+    reasoning = "".join(p.reasoning for p in parts)
+    content = "".join(p.content for p in parts)
+    delta = {"reasoning_content": reasoning} if reasoning else {}
+    if content:
+        delta["content"] = content
+    return delta
+
+
+def _usage(prompt_tokens: int, choices: list[Choice], n: int, states: list[ReasoningState] | None) -> dict:
+    """OpenAI's usage; with a reasoning parser, also the tokens spent thinking (all choices)."""
+    body = usage(prompt_tokens, choices, n)
+    if states is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": sum(s.reasoning_tokens for s in states)}
+    return body
