@@ -28,6 +28,10 @@ MAX_MODEL_LEN = 2048
 class FakeManager:
     check_ready = TokenizerManager.check_ready
     validate = TokenizerManager.validate
+    check_queue = TokenizerManager.check_queue
+    queued_bound = TokenizerManager.queued_bound
+    num_queued = 0  # every fake request answers at once
+    max_queued_requests = None
 
     def __init__(self, tokenizer: Tokenizer, reply: str = "Hello!") -> None:
         self.status = ServerStatus.UP

@@ -158,6 +158,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, max_request_bytes=args.max_request_bytes)
     if args.shutdown_timeout is not None:
         config = dataclasses.replace(config, shutdown_timeout=args.shutdown_timeout)
+    if args.max_queued_requests is not None:
+        config = dataclasses.replace(config, max_queued_requests=args.max_queued_requests)
     try:
         return run_server(config)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
@@ -192,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the file's name)")
     p.add_argument("--max-request-bytes", type=_positive_int, default=None,
                    help="larger request bodies get 413 before they are read (default: 4 MiB)")
+    p.add_argument("--max-queued-requests", type=_positive_int, default=None,
+                   help="requests admitted but not yet producing output beyond this get 503 + Retry-After "
+                        "(default: the KV pool's tokens / 64, at least 256)")
     p.add_argument("--shutdown-timeout", type=_non_negative_float, default=None,
                    help="on SIGTERM, seconds the running requests get to finish while new ones get 503; "
                         "the rest then end with finish_reason 'abort' (default: 20)")

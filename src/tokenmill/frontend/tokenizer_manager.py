@@ -48,9 +48,11 @@ class ServerStatus(enum.Enum):
 class RequestError(Exception):
     """A request that cannot be served or was ended outside the normal stream; `status` is HTTP's."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
+        self.headers = headers  # e.g. Retry-After on an overload 503
 
 
 class MetricsSink(Protocol):
@@ -58,6 +60,7 @@ class MetricsSink(Protocol):
     def observe_first_token(self, seconds: float) -> None: ...
     def observe_inter_token(self, seconds: float, count: int) -> None: ...
     def observe_finished(self, e2e_seconds: float, finish_reason: str | None) -> None: ...
+    def observe_rejected(self, reason: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,15 @@ class TokenizerManager:
     # detokenizer within this many seconds (SGLang's default).
     HEALTH_TIMEOUT_S = 20.0
 
-    def __init__(self, ctx: zmq.asyncio.Context, paths: IpcPaths, model_path: str, metrics: MetricsSink) -> None:
+    # Seconds an overloaded server asks a client to wait before retrying (Retry-After).
+    RETRY_AFTER_S = 1
+
+    def __init__(self, ctx: zmq.asyncio.Context, paths: IpcPaths, model_path: str, metrics: MetricsSink,
+                 max_queued_requests: int | None = None) -> None:
         self.model_path = model_path
+        # Bound on sequences admitted but not yet producing output (waiting, or in prefill); None:
+        # sized from the KV pool once the scheduler reports it (queued_bound).
+        self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         self.status = ServerStatus.STARTING
         self.unhealthy_reason: str | None = None
@@ -206,6 +216,8 @@ class TokenizerManager:
         limits = self.limits
         if limits is None:
             raise RequestError("the scheduler has not reported its limits yet", 503)
+        if not internal:
+            self.check_queue(len(seqs), limits)
         for seq in seqs:
             ids, params = seq.prompt_token_ids, seq.params
             if not ids:
@@ -235,6 +247,25 @@ class TokenizerManager:
                     f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
                     f"({limits.kv_capacity_tokens} tokens)", param="max_tokens",
                 )
+
+    @property
+    def num_queued(self) -> int:
+        """Sequences admitted that have produced no output yet (waiting for, or in, their prefill)."""
+        return sum(1 for s in self._states.values() if s.record and s.last_time is None and not s.finished)
+
+    def queued_bound(self, limits: SchedulerReady) -> int:
+        """--max-queued-requests, or by default what the KV pool holds at 64 tokens a request (at
+        least 256): a queue longer than that would wait longer than its clients do."""
+        return self.max_queued_requests or max(256, limits.kv_capacity_tokens // 64)
+
+    def check_queue(self, new: int, limits: SchedulerReady) -> None:
+        """Overload control: with the queue full, a new request gets 503 and Retry-After at once
+        rather than a 200 whose first token comes after every request queued before it."""
+        bound = self.queued_bound(limits)
+        if self.num_queued + new > bound:
+            self.metrics.observe_rejected("queue_full")
+            raise RequestError(f"the server is overloaded: {bound} requests are already queued; retry later", 503,
+                               code="server_overloaded", headers={"Retry-After": str(self.RETRY_AFTER_S)})
 
     async def generate(
         self,

@@ -65,6 +65,7 @@ class ServerConfig:
     log_level: str = "WARNING"
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    max_queued_requests: int | None = None  # None: sized from the KV pool (TokenizerManager.queued_bound)
 
 
 class ServerState:
@@ -93,8 +94,9 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         paths = IpcPaths.create()
         ctx = zmq.asyncio.Context()
-        metrics = ServerMetrics(lambda: server.manager.stats)
-        server.attach(TokenizerManager(ctx, paths, config.model_path, metrics), metrics)
+        metrics = ServerMetrics(lambda: server.manager.stats, lambda: server.manager.num_queued)
+        manager = TokenizerManager(ctx, paths, config.model_path, metrics, config.max_queued_requests)
+        server.attach(manager, metrics)
         children = ChildProcesses(paths, config.engine, config.served_model_name, config.log_level)
         children.start()
         watch = asyncio.create_task(children.watch(server.manager.on_process_exit))

@@ -37,8 +37,9 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}}
 
 
-def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param, code), status_code=status)
+def error_response(message: str, status: int, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers)
 
 
 def as_request_error(exc: BaseException) -> RequestError:
@@ -94,7 +95,7 @@ def _short(value: object) -> str:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.code)
+        return error_response(exc.message, exc.status, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:

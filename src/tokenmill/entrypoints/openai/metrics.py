@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenmill.ipc.messages import SchedulerStats
@@ -27,7 +27,7 @@ prometheus_client.disable_created_metrics()  # the `_created` series double ever
 class ServerMetrics:
     """One registry per server (not the global one), so several apps can live in one process."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(self, stats: Callable[[], SchedulerStats | None], queued: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry()
         self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -39,6 +39,12 @@ class ServerMetrics:
                                buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.finished = Counter("tokenmill:request_success", "Finished sequences by finish reason",
                                 ["finished_reason"], registry=self.registry)
+        self.rejected = Counter("tokenmill:request_rejected", "Requests refused before queueing, by reason",
+                                ["reason"], registry=self.registry)
+        self.queued = Gauge("tokenmill:num_requests_queued_frontend",
+                            "Sequences sent to the scheduler with no output yet (what --max-queued-requests bounds)",
+                            registry=self.registry)
+        self.queued.set_function(queued)
         self.registry.register(_EngineCollector(stats))
 
     # MetricsSink (frontend/tokenizer_manager.py)
@@ -52,6 +58,9 @@ class ServerMetrics:
         for _ in range(count):
             self.itl.observe(seconds)
 
+    def observe_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
+
     def observe_finished(self, e2e_seconds: float, finish_reason: str | None) -> None:
         self.e2e.observe(e2e_seconds)
         self.finished.labels(finished_reason=finish_reason or "unknown").inc()
@@ -61,7 +70,7 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(self, stats: Callable[[], SchedulerStats | None], queued: Callable[[], int] = lambda: 0) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
