@@ -152,7 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     config = ServerConfig(
         engine=engine, model_path=model_path, host=args.host, port=args.port, api_key=args.api_key,
-        served_model_name=args.served_model_name, log_level=args.log_level,
+        served_model_name=args.served_model_name, log_level=args.log_level, reasoning_parser=args.reasoning_parser,
     )
     if args.max_request_bytes is not None:
         config = dataclasses.replace(config, max_request_bytes=args.max_request_bytes)
@@ -164,6 +164,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_server(config)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
         return 0
+
+
+def _reasoning_parser_name(text: str) -> str:
+    from tokenmill.frontend.reasoning_parser import get_reasoning_parser
+
+    try:
+        return get_reasoning_parser(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _non_negative_float(text: str) -> float:
@@ -194,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the file's name)")
     p.add_argument("--max-request-bytes", type=_positive_int, default=None,
                    help="larger request bodies get 413 before they are read (default: 4 MiB)")
+    p.add_argument("--reasoning-parser", type=_reasoning_parser_name, default=None, metavar="NAME",
+                   help="split <think>...</think> into reasoning_content: deepseek_r1 or qwen3 (default: none)")
     p.add_argument("--max-queued-requests", type=_positive_int, default=None,
                    help="requests admitted but not yet producing output beyond this get 503 + Retry-After "
                         "(default: the KV pool's tokens / 64, at least 256)")

@@ -43,6 +43,7 @@ from tokenmill.entrypoints.openai.serving_chat import ChatServing
 from tokenmill.entrypoints.openai.serving_common import check_model, now_s
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
 from tokenmill.entrypoints.openai.serving_tokenize import TokenizeServing
+from tokenmill.frontend.reasoning_parser import ReasoningParser, get_reasoning_parser
 from tokenmill.frontend.tokenizer_manager import RequestError, ServerStatus, TokenizerManager
 from tokenmill.ipc.channels import IpcPaths
 
@@ -66,6 +67,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     max_queued_requests: int | None = None  # None: sized from the KV pool (TokenizerManager.queued_bound)
+    reasoning_parser: str | None = None  # --reasoning-parser: a name in frontend/reasoning_parser.py
 
 
 class ServerState:
@@ -77,9 +79,10 @@ class ServerState:
     completion: CompletionServing
     tokens: TokenizeServing
 
-    def attach(self, manager: TokenizerManager, metrics: ServerMetrics) -> None:
+    def attach(self, manager: TokenizerManager, metrics: ServerMetrics,
+               reasoning_parser: ReasoningParser | None = None) -> None:
         self.manager, self.metrics = manager, metrics
-        self.chat = ChatServing(manager)
+        self.chat = ChatServing(manager, reasoning_parser)
         self.completion = CompletionServing(manager)
         self.tokens = TokenizeServing(manager)
 
@@ -89,6 +92,8 @@ def build_app(
 ) -> FastAPI:
     """The app; with `state` given, its manager is used as it is and no child process starts."""
     server = state or ServerState()
+    # An unknown name fails here, before any child process starts.
+    reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -96,7 +101,7 @@ def build_app(
         ctx = zmq.asyncio.Context()
         metrics = ServerMetrics(lambda: server.manager.stats, lambda: server.manager.num_queued)
         manager = TokenizerManager(ctx, paths, config.model_path, metrics, config.max_queued_requests)
-        server.attach(manager, metrics)
+        server.attach(manager, metrics, reasoning_parser)
         children = ChildProcesses(paths, config.engine, config.served_model_name, config.log_level)
         children.start()
         watch = asyncio.create_task(children.watch(server.manager.on_process_exit))
