@@ -40,9 +40,14 @@ def test_chat_uses_the_model_template_and_stops_at_eos(llm):
 
 
 def test_stop_string_cuts_the_text_and_ends_the_request(llm):
-    full = llm.generate("1, 2, 3, 4, 5,", greedy(16, ignore_eos=True))[0].outputs[0]
+    result = llm.generate("1, 2, 3, 4, 5,", greedy(16, ignore_eos=True))[0]
+    full = result.outputs[0]
     assert " 7," in full.text
-    out = llm.generate("1, 2, 3, 4, 5,", greedy(16, ignore_eos=True, stop=[" 7,"]))[0].outputs[0]
+    # where the request spent its time (engine/timeline.py), ended by the engine or by a stop string
+    assert result.metrics["num_output_tokens"] == 16 and result.metrics["events"][-1]["reason"] == "length"
+    stopped = llm.generate("1, 2, 3, 4, 5,", greedy(16, ignore_eos=True, stop=[" 7,"]))[0]
+    out = stopped.outputs[0]
+    assert stopped.metrics["events"][-1]["reason"] == "stop" and stopped.metrics["first_token_latency"] > 0
     assert out.finish_reason == "stop" and out.stop_reason == " 7,"
     assert out.text == full.text[: full.text.index(" 7,")]
     assert len(out.token_ids) < 16

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ class EngineOutput:
     # params.prompt_logprobs, on the request's first output only: one entry per prompt token, the
     # first None (vLLM's shape).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    timeline: dict | None = None  # on the finished output: RequestTimeline.summary()
 
 
 class EngineCore:
@@ -222,14 +222,11 @@ class EngineCore:
         if not sched.chunks:
             return []
         self.num_steps += 1
-        now = time.monotonic()
         chunks = []
         drafts: dict[str, list[int]] = {}
         for c in sched.chunks:
             r = c.request
             start = r.num_computed_tokens
-            if r.first_scheduled_time is None:
-                r.first_scheduled_time = now
             known = c.num_tokens - c.num_drafts
             tokens = r.all_token_ids[start : start + known]
             if c.num_drafts:
@@ -248,6 +245,7 @@ class EngineCore:
             # Draft positions count as computed only once accepted (below).
             c.request.num_computed_tokens += c.num_tokens - c.num_drafts
             if c.num_tokens > 1 and not c.num_drafts:
+                c.request.timeline.add("prefill_chunk", tokens=c.num_tokens)
                 # A prefill chunk: publish its full pages now, so requests admitted while this one
                 # is still running share its prompt. Decode pages wait for the release.
                 self.scheduler.cache_computed(c.request)
@@ -296,8 +294,6 @@ class EngineCore:
             if guesses:
                 # The K/V of the accepted drafts was written by this step's forward: it now counts.
                 request.num_computed_tokens += len(run) - 1
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
             matcher = matchers[i] if matchers is not None else None
             status, emitted = self._append_run(request, run, matcher)
             self.generation_tokens_total += emitted
@@ -324,6 +320,7 @@ class EngineCore:
                     new_logprobs=kept_lps or None,
                     num_cached_tokens=request.num_cached_tokens,
                     prompt_logprobs=request.prompt_logprobs if first else None,
+                    timeline=request.timeline.summary() if status is not None else None,
                 )
             )
         return outputs

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenmill.engine.timeline import RequestTimeline
 from tokenmill.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -68,8 +69,6 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
     # Requests with the same key have the same prompt and cache salt (n samples of one prompt, or
     # identical prompts sent together): the scheduler admits them one prefill at a time, so the later
     # ones find the prompt in the prefix cache instead of computing it again in the same step.
@@ -82,9 +81,11 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # prompt + output in one list, so a step can slice the tokens it computes without concatenating.
     all_token_ids: list[int] = field(init=False)
+    timeline: RequestTimeline = field(init=False, repr=False)  # stage times (engine/timeline.py)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.timeline = RequestTimeline(self.arrival_time)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
 
@@ -109,6 +110,7 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.timeline.tokens_out(1)
 
     def move_to(self, status: RequestStatus) -> None:
         if status not in _ALLOWED[self.status]:

@@ -115,6 +115,7 @@ class Scheduler:
             if request.prefill_group is not None and self.cache is not None and self._shares_later(request):
                 prefilling.add(request.prefill_group)
             request.move_to(RequestStatus.RUNNING)
+            request.timeline.add("scheduled", tokens=request.num_computed_tokens)  # tokens: cache hits
             self.running.append(request)
             if first_admission:
                 request.num_cached_tokens = request.num_computed_tokens
@@ -256,6 +257,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
+        request.timeline.add("preempted")
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -267,6 +269,8 @@ class Scheduler:
         """
         if not status.finished:
             raise ValueError(f"{status} is not a finished status")
+        if not request.status.finished:
+            request.timeline.add("finished", reason=status.value)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self._release(request, status)

@@ -130,9 +130,9 @@ class SchedulerLoop:
     def _convert(self, out: EngineOutput) -> TokenOutput:
         queue_time = None
         request = self._unreported.pop(out.request_id, None)
-        if request is not None and request.first_scheduled_time is not None:
+        if request is not None:
             # Both clocks are read in this process: a duration, never a cross-process timestamp.
-            queue_time = request.first_scheduled_time - request.arrival_time
+            queue_time = request.timeline.queue_time
         logprobs = [_wire(lp) for lp in out.new_logprobs] if out.new_logprobs else None
         prompt = getattr(out, "prompt_logprobs", None)
         return TokenOutput(

@@ -156,9 +156,13 @@ class LLM:
                         by_id[parent].prompt_logprobs = out.prompt_logprobs
                     if out.new_logprobs:
                         logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
+                    request = self.engine.requests.get(out.request_id)  # _apply may end it (a stop string)
                     delta = self._apply(state, out)
                     if delta is None or not delta.finished:
                         continue
+                    timeline = out.timeline or (request.timeline.summary() if request is not None else None)
+                    if by_id[parent].metrics is None or completion.index == 0:
+                        by_id[parent].metrics = timeline
                     completion.text = delta.text
                     completion.token_ids = list(delta.token_ids)
                     completion.finish_reason = delta.finish_reason

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sample.logprobs import TokenLogprobs
 
@@ -27,6 +28,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # params.prompt_logprobs: entry i scores prompt token i given the tokens before it; entry 0 is None.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Once finished: where the (first) sample spent its time inside the engine, engine/timeline.py's
+    # summary: queue_time, prefill_time, first_token_latency, decode_throughput and stage events.
+    metrics: dict[str, Any] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
