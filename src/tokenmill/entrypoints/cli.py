@@ -153,6 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         engine=engine, model_path=model_path, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, log_level=args.log_level, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
     )
     if args.max_request_bytes is not None:
         config = dataclasses.replace(config, max_request_bytes=args.max_request_bytes)
@@ -171,6 +172,15 @@ def _reasoning_parser_name(text: str) -> str:
 
     try:
         return get_reasoning_parser(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _tool_call_parser_name(text: str) -> str:
+    from tokenmill.frontend.tool_parsers import get_tool_parser
+
+    try:
+        return get_tool_parser(text).name
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -205,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="larger request bodies get 413 before they are read (default: 4 MiB)")
     p.add_argument("--reasoning-parser", type=_reasoning_parser_name, default=None, metavar="NAME",
                    help="split <think>...</think> into reasoning_content: deepseek_r1 or qwen3 (default: none)")
+    p.add_argument("--tool-call-parser", type=_tool_call_parser_name, default=None, metavar="NAME",
+                   help="read the model's tool calls into message.tool_calls: hermes, llama3_json or mistral "
+                        "(default: none; pair it with the model's chat template)")
     p.add_argument("--max-queued-requests", type=_positive_int, default=None,
                    help="requests admitted but not yet producing output beyond this get 503 + Retry-After "
                         "(default: the KV pool's tokens / 64, at least 256)")

@@ -45,6 +45,7 @@ from tokenmill.entrypoints.openai.serving_completion import CompletionServing
 from tokenmill.entrypoints.openai.serving_tokenize import TokenizeServing
 from tokenmill.frontend.reasoning_parser import ReasoningParser, get_reasoning_parser
 from tokenmill.frontend.tokenizer_manager import RequestError, ServerStatus, TokenizerManager
+from tokenmill.frontend.tool_parsers import ToolParser, get_tool_parser
 from tokenmill.ipc.channels import IpcPaths
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class ServerConfig:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     max_queued_requests: int | None = None  # None: sized from the KV pool (TokenizerManager.queued_bound)
     reasoning_parser: str | None = None  # --reasoning-parser: a name in frontend/reasoning_parser.py
+    tool_call_parser: str | None = None  # --tool-call-parser: a name in frontend/tool_parsers.py
 
 
 class ServerState:
@@ -80,9 +82,9 @@ class ServerState:
     tokens: TokenizeServing
 
     def attach(self, manager: TokenizerManager, metrics: ServerMetrics,
-               reasoning_parser: ReasoningParser | None = None) -> None:
+               reasoning_parser: ReasoningParser | None = None, tool_parser: ToolParser | None = None) -> None:
         self.manager, self.metrics = manager, metrics
-        self.chat = ChatServing(manager, reasoning_parser)
+        self.chat = ChatServing(manager, reasoning_parser, tool_parser)
         self.completion = CompletionServing(manager)
         self.tokens = TokenizeServing(manager)
 
@@ -94,6 +96,7 @@ def build_app(
     server = state or ServerState()
     # An unknown name fails here, before any child process starts.
     reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+    tool_parser = get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -101,7 +104,7 @@ def build_app(
         ctx = zmq.asyncio.Context()
         metrics = ServerMetrics(lambda: server.manager.stats, lambda: server.manager.num_queued)
         manager = TokenizerManager(ctx, paths, config.model_path, metrics, config.max_queued_requests)
-        server.attach(manager, metrics, reasoning_parser)
+        server.attach(manager, metrics, reasoning_parser, tool_parser)
         children = ChildProcesses(paths, config.engine, config.served_model_name, config.log_level)
         children.start()
         watch = asyncio.create_task(children.watch(server.manager.on_process_exit))

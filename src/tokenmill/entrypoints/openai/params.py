@@ -24,13 +24,37 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.prompt_logprobs is not None:
         raise InvalidRequest("prompt_logprobs is supported on /v1/completions only", param="prompt_logprobs")
-    if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequest(
-            "tool_choice may only be 'none' or 'auto': tools are shown to the model through its chat template, "
-            "but tool calls are not parsed or forced", param="tool_choice",
-        )
     check_tools(req.tools)
+    if check_tool_choice(req.tool_choice, req.tools) is not None or req.tool_choice == "required":
+        raise InvalidRequest(
+            "tool_choice may only be 'none' or 'auto': calls are read from what the model writes "
+            "(--tool-call-parser), not forced", param="tool_choice",
+        )
     return _common(req, max_tokens, logprobs)
+
+
+def check_tool_choice(choice: str | dict | None, tools: list[dict] | None) -> str | None:
+    """OpenAI's tool_choice: "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    naming one of `tools`; returns that name (None for the strings). Only "none" may come without tools."""
+    if choice is None or choice == "none":
+        return None
+    if not tools:
+        raise InvalidRequest(f"tool_choice {choice!r} needs a non-empty tools list", param="tool_choice")
+    if isinstance(choice, str):
+        if choice not in ("auto", "required"):
+            raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}",
+                                 param="tool_choice")
+        return None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise InvalidRequest('tool_choice must look like {"type": "function", "function": {"name": ...}}',
+                             param="tool_choice")
+    known = [tool["function"]["name"] for tool in tools]
+    if name not in known:
+        raise InvalidRequest(f"tool_choice names function {name!r}, which is not in tools ({', '.join(known)})",
+                             param="tool_choice")
+    return name
 
 
 def check_tools(tools: list[dict] | None) -> None:

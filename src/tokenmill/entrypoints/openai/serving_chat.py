@@ -4,6 +4,10 @@ The prompt is rendered by the same Tokenizer.apply_chat_template as the offline 
 jinja2, tools and chat_template_kwargs passed to the template), so both give the same prompt ids.
 With a reasoning parser (`--reasoning-parser`), each choice's output is split into
 `reasoning_content` and `content` (frontend/reasoning_parser.py) and usage counts the reasoning tokens.
+With a tool-call parser (`--tool-call-parser`), a request with `tools` (and `tool_choice` not "none")
+has the calls in the content after the thought read into `tool_calls` (frontend/tool_parsers.py):
+the message's `tool_calls` and `finish_reason: "tool_calls"`, or, streamed, one delta with each call's
+index, id and name, then one with its arguments, as OpenAI sends them.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,13 +43,16 @@ from tokenmill.entrypoints.openai.serving_common import (
 )
 from tokenmill.frontend.reasoning_parser import ReasoningDelta, ReasoningParser, ReasoningState
 from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
+from tokenmill.frontend.tool_parsers import ToolCall, ToolCallState, ToolParser
 from tokenmill.ipc.messages import TextOutput
 
 
 class ChatServing(ServingBase):
-    def __init__(self, manager: TokenizerManager, reasoning_parser: ReasoningParser | None = None) -> None:
+    def __init__(self, manager: TokenizerManager, reasoning_parser: ReasoningParser | None = None,
+                 tool_parser: ToolParser | None = None) -> None:
         super().__init__(manager)
         self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
         self._end_ids: list[int] | None = None
 
     def _reasoning_states(self, n: int) -> list[ReasoningState] | None:
@@ -54,6 +62,11 @@ class ChatServing(ServingBase):
             assert self.manager.tokenizer is not None
             self._end_ids = self.manager.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False)
         return [self.reasoning_parser.new_state(self._end_ids) for _ in range(n)]
+
+    def _tool_states(self, req: ChatCompletionRequest, n: int) -> list[ToolCallState] | None:
+        if self.tool_parser is None or not req.tools or req.tool_choice == "none":
+            return None
+        return [self.tool_parser.new_state() for _ in range(n)]
 
     async def create(self, raw: Request) -> Response:
         arrival = time.monotonic()
@@ -79,14 +92,15 @@ class ChatServing(ServingBase):
         outputs = self.manager.generate(request_id, seqs, arrival=arrival, prompt_param="messages",
                                         cache_salt=req.cache_salt)
         want_logprobs = params.logprobs is not None
+        tools = self._tool_states(req, params.n)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             stream = self._stream(outputs, request_id, model, params.n, len(prompt_ids), want_logprobs, include_usage,
-                                  record)
+                                  record, tools)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             body = await unless_disconnected(
-                raw, self._collect(outputs, request_id, model, params.n, len(prompt_ids), want_logprobs)
+                raw, self._collect(outputs, request_id, model, params.n, len(prompt_ids), want_logprobs, tools)
             )
         except ClientDisconnected:
             return disconnected_response()
@@ -95,27 +109,32 @@ class ChatServing(ServingBase):
 
     async def _collect(
         self, outputs: AsyncIterator[tuple[int, TextOutput]], request_id: str, model: str, n: int,
-        prompt_tokens: int, want_logprobs: bool,
+        prompt_tokens: int, want_logprobs: bool, tools: list[ToolCallState] | None,
     ) -> dict:
         choices = [Choice() for _ in range(n)]
         states = self._reasoning_states(n)
         reasoning: list[list[str]] = [[] for _ in range(n)]
+        calls: list[list[ToolCall]] = [[] for _ in range(n)]
         async for i, out in outputs:
-            if states is None:
+            if states is None and tools is None:
                 choices[i].add(out)
                 continue
             choices[i].add(out, keep_text=False)
             choices[i].logprobs.extend(out.logprobs or ())
-            for part in _split(states[i], out):
-                reasoning[i].append(part.reasoning)
-                choices[i].text.append(part.content)
+            part = _parse(out, states[i] if states else None, tools[i] if tools else None)
+            reasoning[i].append(part.reasoning)
+            choices[i].text.append(part.content)
+            calls[i].extend(part.calls)
         if any(c.finish_reason == "abort" for c in choices):
             raise RequestError("the server aborted the request before it finished", 503)
 
         def message(i: int) -> dict:
-            body = {"role": "assistant", "content": "".join(choices[i].text)}
+            body: dict = {"role": "assistant", "content": "".join(choices[i].text)}
             if states is not None:
                 body["reasoning_content"] = "".join(reasoning[i]) or None
+            if calls[i]:
+                body["content"] = body["content"] or None
+                body["tool_calls"] = [_call_json(call) for call in calls[i]]
             return body
 
         return {
@@ -128,7 +147,7 @@ class ChatServing(ServingBase):
                     "index": i,
                     "message": message(i),
                     "logprobs": chat_logprobs(c.logprobs, self.texts) if want_logprobs else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": "tool_calls" if calls[i] else c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
                 for i, c in enumerate(choices)
@@ -139,6 +158,7 @@ class ChatServing(ServingBase):
     async def _stream(
         self, outputs: AsyncIterator[tuple[int, TextOutput]], request_id: str, model: str, n: int,
         prompt_tokens: int, want_logprobs: bool, include_usage: bool, record: RequestRecord,
+        tools: list[ToolCallState] | None = None,
     ) -> AsyncIterator[str]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": model}
 
@@ -159,13 +179,16 @@ class ChatServing(ServingBase):
                 yield chunk(i, {"role": "assistant", "content": ""})
             async for i, out in outputs:
                 choices[i].add(out, keep_text=False)
-                delta = {"content": out.text} if out.text else {}
-                if states is not None:
-                    delta = _delta_of(_split(states[i], out))
-                if not (delta or out.logprobs or out.finished):
+                part = _parse(out, states[i] if states else None, tools[i] if tools else None)
+                deltas = _deltas_of(part, tools[i].num_calls - len(part.calls) if tools else 0)
+                if not (deltas or out.logprobs or out.finished):
                     continue  # text held back (half a character, a possible stop string or marker)
                 logprobs = chat_logprobs(out.logprobs, self.texts) if want_logprobs and out.logprobs else None
-                yield chunk(i, delta, logprobs, out.finish_reason if out.finished else None, out.stop_reason)
+                deltas = deltas or [{}]
+                for k, delta in enumerate(deltas):
+                    last = out.finished and k == len(deltas) - 1
+                    finish = ("tool_calls" if tools and tools[i].num_calls else out.finish_reason) if last else None
+                    yield chunk(i, delta, logprobs if k == 0 else None, finish, out.stop_reason)
         except Exception as exc:  # includes RequestError: the stream ends as an error, never hangs
             record.set_usage(_usage(prompt_tokens, choices, n, states))
             error = as_request_error(exc)
@@ -189,13 +212,43 @@ def _split(state: ReasoningState, out: TextOutput) -> list[ReasoningDelta]:
     return parts
 
 
-def _delta_of(parts: list[ReasoningDelta]) -> dict[str, str]:
-    reasoning = "".join(p.reasoning for p in parts)
-    content = "".join(p.content for p in parts)
-    delta = {"reasoning_content": reasoning} if reasoning else {}
-    if content:
-        delta["content"] = content
-    return delta
+@dataclass(frozen=True)
+class _Parsed:
+    """One output delta of one choice, split: thought, answer text, and the calls it completed."""
+
+    reasoning: str
+    content: str
+    calls: tuple[ToolCall, ...] = ()
+
+
+def _parse(out: TextOutput, reasoning: ReasoningState | None, tools: ToolCallState | None) -> _Parsed:
+    """The reasoning split first; tool calls are read from the answer only."""
+    thought, text = "", out.text
+    if reasoning is not None:
+        parts = _split(reasoning, out)
+        thought, text = "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
+    if tools is None:
+        return _Parsed(thought, text)
+    found = [tools.feed(text)] + ([tools.finish()] if out.finished else [])
+    return _Parsed(thought, "".join(d.content for d in found), tuple(c for d in found for c in d.calls))
+
+
+def _deltas_of(part: _Parsed, first_index: int) -> list[dict]:
+    """The chunks' deltas: the text, then per call one with its index, id and name, one with its arguments."""
+    delta: dict = {"reasoning_content": part.reasoning} if part.reasoning else {}
+    if part.content:
+        delta["content"] = part.content
+    deltas = [delta] if delta else []
+    for index, call in enumerate(part.calls, start=first_index):
+        head = _call_json(call, arguments="")
+        deltas.append({"tool_calls": [{"index": index, **head}]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+    return deltas
+
+
+def _call_json(call: ToolCall, arguments: str | None = None) -> dict:
+    arguments = call.arguments if arguments is None else arguments
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
 def _usage(prompt_tokens: int, choices: list[Choice], n: int, states: list[ReasoningState] | None) -> dict:
