@@ -144,3 +144,40 @@ def test_bad_tool_choice_is_400_naming_it(extra, words):
     error = resp.json()["error"]
     assert error["param"] == "tool_choice" and error["type"] == "invalid_request_error"
     assert all(word in error["message"] for word in words), error["message"]
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(
+    ("choice", "reply"),
+    [(NAMED, json.dumps(WEATHER["arguments"])), ("required", json.dumps([
+        {"name": c["name"], "parameters": c["arguments"]} for c in (WEATHER, TIME)]))],
+)
+def test_forced_calls_are_read_whatever_the_parser(choice, reply):
+    expected = EXPECTED[:1] if choice is NAMED else EXPECTED
+    app = app_with(None, reply)  # the grammar made the output the call: no --tool-call-parser needed
+    with client_of(app) as http:
+        resp = sdk_client(http).chat.completions.create(model="fake-model", tool_choice=choice, **CHAT)
+    assert calls_of(resp.choices[0].message.tool_calls) == expected
+    assert resp.choices[0].message.content is None and resp.choices[0].finish_reason == "tool_calls"
+    events = stream_events(app, {**CHAT, "tool_choice": choice, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert not any(d.get("content") for d in deltas)
+    heads = [d["tool_calls"][0] for d in deltas if "tool_calls" in d and "id" in d["tool_calls"][0]]
+    assert [(h["index"], h["function"]["name"]) for h in heads] == [(i, e[0]) for i, e in enumerate(expected)]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_forced_output_cut_short_stays_content():
+    reply = '{"city": "Par'
+    with client_of(app_with(None, reply)) as http:
+        body = http.post("/v1/chat/completions", json={**CHAT, "tool_choice": NAMED}).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": reply}
+
+
+def test_forced_call_with_another_constraint_is_400():
+    with client_of(app_with("hermes")) as http:
+        resp = http.post("/v1/chat/completions",
+                         json={**CHAT, "tool_choice": "required", "response_format": {"type": "json_object"}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tool_choice"

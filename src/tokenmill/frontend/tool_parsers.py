@@ -15,6 +15,9 @@ answer is the same state fed all at once, so both modes agree.
   that opens with the bare `[` is read the same way (`[TOOL_CALLS]` is a control token the
   detokenizer drops when skipping special tokens).
 
+`ForcedCallState` reads the output of tool_choice "required" or a named function, which a grammar
+built from the tools' schemas (entrypoints/openai/params.py) made a call whatever the parser.
+
 A call is only emitted once its JSON is complete (its closing marker, or the end of the output), so
 its arguments arrive in one piece. Markup whose JSON is not a call (malformed, no name) is left in
 the content as the model wrote it: the client sees what the model said, never an error. Whitespace
@@ -211,3 +214,37 @@ class ToolCallState:
         if kept:
             self._seen_content, self._after_call = True, False
             content.append(kept)
+
+
+class ForcedCallState:
+    """tool_choice "required" or a named function: a grammar made the whole output the call, either
+    the named function's arguments object or a JSON array of {"name", "parameters"} objects (vLLM's
+    shape). It is read once the output ends; an output cut short (max_tokens) stays content."""
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+        self.num_calls = 0
+        self._text: list[str] = []
+
+    def feed(self, text: str) -> ToolDelta:
+        self._text.append(text)
+        return ToolDelta()
+
+    def finish(self) -> ToolDelta:
+        text, self._text = "".join(self._text), []
+        calls = parse_calls(text) if self.name is None else self._named(text)
+        if not calls:
+            return ToolDelta(text)
+        self.num_calls += len(calls)
+        return ToolDelta("", tuple(calls))
+
+    def _named(self, text: str) -> list[ToolCall] | None:
+        try:
+            args = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        call = _call_of({"name": self.name, "arguments": args})
+        return None if call is None else [call]
+
+
+CallReader = ToolCallState | ForcedCallState  # what the chat handler feeds, one per choice

@@ -6,6 +6,8 @@ this module only decides what each OpenAI field means.
 
 from __future__ import annotations
 
+import dataclasses
+
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tokenmill.errors import InvalidRequest
 from tokenmill.sample.sampling_params import OutputKind, SamplingParams, StructuredOutputParams
@@ -25,12 +27,33 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     if req.prompt_logprobs is not None:
         raise InvalidRequest("prompt_logprobs is supported on /v1/completions only", param="prompt_logprobs")
     check_tools(req.tools)
-    if check_tool_choice(req.tool_choice, req.tools) is not None or req.tool_choice == "required":
-        raise InvalidRequest(
-            "tool_choice may only be 'none' or 'auto': calls are read from what the model writes "
-            "(--tool-call-parser), not forced", param="tool_choice",
-        )
-    return _common(req, max_tokens, logprobs)
+    forced = forced_call_schema(req.tool_choice, req.tools)
+    params = _common(req, max_tokens, logprobs)
+    if forced is None:
+        return params
+    if params.structured_output is not None:
+        raise InvalidRequest("tool_choice 'required' or a named function already constrains the output: "
+                             "drop response_format / guided_*", param="tool_choice")
+    # param "tools": a schema the grammar compiler rejects is the tools' fault.
+    return dataclasses.replace(params, structured_output=StructuredOutputParams(json_schema=forced, param="tools"))
+
+
+def forced_call_schema(choice: str | dict | None, tools: list[dict] | None) -> dict | None:
+    """The JSON schema tool_choice "required" or a named function generates under (None otherwise):
+    the named function's parameters, or an array of one or more {"name", "parameters"} calls of any
+    tool (what frontend/tool_parsers.ForcedCallState reads back)."""
+    name = check_tool_choice(choice, tools)
+    if name is None and choice != "required":
+        return None
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools or []}
+    if name is not None:
+        return schemas[name]
+    calls = [
+        {"type": "object", "properties": {"name": {"const": n}, "parameters": schema},
+         "required": ["name", "parameters"]}
+        for n, schema in schemas.items()
+    ]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
 
 def check_tool_choice(choice: str | dict | None, tools: list[dict] | None) -> str | None:

@@ -7,7 +7,8 @@ With a reasoning parser (`--reasoning-parser`), each choice's output is split in
 With a tool-call parser (`--tool-call-parser`), a request with `tools` (and `tool_choice` not "none")
 has the calls in the content after the thought read into `tool_calls` (frontend/tool_parsers.py):
 the message's `tool_calls` and `finish_reason: "tool_calls"`, or, streamed, one delta with each call's
-index, id and name, then one with its arguments, as OpenAI sends them.
+index, id and name, then one with its arguments, as OpenAI sends them. tool_choice "required" or a
+named function is generated under the tools' schemas (params.forced_call_schema) and read back whole.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from tokenmill.entrypoints.openai.serving_common import (
 )
 from tokenmill.frontend.reasoning_parser import ReasoningDelta, ReasoningParser, ReasoningState
 from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
-from tokenmill.frontend.tool_parsers import ToolCall, ToolCallState, ToolParser
+from tokenmill.frontend.tool_parsers import CallReader, ForcedCallState, ToolCall, ToolParser
 from tokenmill.ipc.messages import TextOutput
 
 
@@ -63,8 +64,12 @@ class ChatServing(ServingBase):
             self._end_ids = self.manager.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False)
         return [self.reasoning_parser.new_state(self._end_ids) for _ in range(n)]
 
-    def _tool_states(self, req: ChatCompletionRequest, n: int) -> list[ToolCallState] | None:
-        if self.tool_parser is None or not req.tools or req.tool_choice == "none":
+    def _tool_states(self, req: ChatCompletionRequest, n: int) -> list[CallReader] | None:
+        choice = req.tool_choice
+        if choice == "required" or isinstance(choice, dict):  # generated under the tools' grammar
+            name = choice["function"]["name"] if isinstance(choice, dict) else None
+            return [ForcedCallState(name) for _ in range(n)]
+        if self.tool_parser is None or not req.tools or choice == "none":
             return None
         return [self.tool_parser.new_state() for _ in range(n)]
 
@@ -109,7 +114,7 @@ class ChatServing(ServingBase):
 
     async def _collect(
         self, outputs: AsyncIterator[tuple[int, TextOutput]], request_id: str, model: str, n: int,
-        prompt_tokens: int, want_logprobs: bool, tools: list[ToolCallState] | None,
+        prompt_tokens: int, want_logprobs: bool, tools: list[CallReader] | None,
     ) -> dict:
         choices = [Choice() for _ in range(n)]
         states = self._reasoning_states(n)
@@ -158,7 +163,7 @@ class ChatServing(ServingBase):
     async def _stream(
         self, outputs: AsyncIterator[tuple[int, TextOutput]], request_id: str, model: str, n: int,
         prompt_tokens: int, want_logprobs: bool, include_usage: bool, record: RequestRecord,
-        tools: list[ToolCallState] | None = None,
+        tools: list[CallReader] | None = None,
     ) -> AsyncIterator[str]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": model}
 
@@ -221,7 +226,7 @@ class _Parsed:
     calls: tuple[ToolCall, ...] = ()
 
 
-def _parse(out: TextOutput, reasoning: ReasoningState | None, tools: ToolCallState | None) -> _Parsed:
+def _parse(out: TextOutput, reasoning: ReasoningState | None, tools: CallReader | None) -> _Parsed:
     """The reasoning split first; tool calls are read from the answer only."""
     thought, text = "", out.text
     if reasoning is not None:
