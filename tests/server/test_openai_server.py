@@ -151,6 +151,33 @@ def test_stop_strings_match_the_offline_api(client, model, llm):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
 
 
+def test_request_timeline_from_both_processes(client, model, server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    done = client.completions.create(model=model, prompt="1, 2, 3, 4, 5,", max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    got = httpx.get(f"{server.url}/v1/requests/{done.id}/timeline", headers=auth, timeout=30)
+    assert got.status_code == 200, got.text
+    seq = got.json()["sequences"][0]
+    assert seq["status"] == "finished" and seq["finish_reason"] == "length"
+    front = seq["frontend"]  # the API process's clock, from the HTTP arrival
+    assert 0 <= front["sent_to_scheduler"] <= front["first_text"] <= front["last_text"]
+    engine = seq["engine"]  # the scheduler's clock, from the engine's arrival
+    stages = [e["stage"] for e in engine["events"]]
+    assert stages[:2] == ["arrived", "scheduled"] and stages[-1] == "finished" and "first_token" in stages
+    assert engine["num_output_tokens"] == 6 and engine["queue_time"] >= 0 and engine["prefill_time"] > 0
+    # A stop string ends the text before the engine finishes: the engine's record follows it.
+    stopped = client.completions.create(model=model, prompt="1, 2, 3, 4, 5,", max_tokens=16, temperature=0,
+                                        stop=[" 7,"], extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 10
+    while (seq := httpx.get(f"{server.url}/v1/requests/{stopped.id}/timeline", headers=auth, timeout=30).json()["sequences"][0])[
+            "engine"] is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seq["finish_reason"] == "stop" and seq["engine"]["events"][-1]["reason"] == "stop"
+    missing = httpx.get(f"{server.url}/v1/requests/cmpl-nope/timeline", headers=auth, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
+
+
 def test_logprobs(client, model):
     chat = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=5, logprobs=True,
                                           top_logprobs=3)

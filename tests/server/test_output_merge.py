@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tokenmill.frontend.tokenizer_manager import RequestError, merge_pending
+from tokenmill.frontend.output_merge import merge_pending
+from tokenmill.frontend.tokenizer_manager import RequestError
 from tokenmill.ipc.messages import TextOutput
 
 

@@ -94,7 +94,11 @@ class SchedulerLoop:
                 self._emit([TokenOutput(message.request_id, [], True, "abort", None)])
             self._unreported.pop(message.request_id, None)
         elif isinstance(message, FinishRequest):
-            self.engine.finish_request(message.request_id, RequestStatus.FINISHED_STOPPED, message.stop_reason)
+            request = self.engine.requests.get(message.request_id)
+            if self.engine.finish_request(message.request_id, RequestStatus.FINISHED_STOPPED, message.stop_reason):
+                # Its text ended already (a stop string); the timeline follows for the record.
+                self._emit([TokenOutput(message.request_id, [], True, "stop", message.stop_reason,
+                                        timeline=request.timeline.summary())])
             self._unreported.pop(message.request_id, None)
 
     def add(self, message: AddRequest) -> None:
@@ -139,6 +143,7 @@ class SchedulerLoop:
             out.request_id, out.new_token_ids, out.finished, out.finish_reason,
             out.stop_reason, logprobs, queue_time, getattr(out, "num_cached_tokens", 0),
             [None if lp is None else _wire(lp) for lp in prompt] if prompt is not None else None,
+            out.timeline,
         )
 
     def _emit(self, outputs: list[TokenOutput]) -> None:

@@ -75,8 +75,11 @@ class Detokenizer:
 
     def _apply(self, out: TokenOutput, texts: list[TextOutput], orders: list[ToScheduler]) -> None:
         seq = self.seqs.get(out.request_id)
-        if seq is None:
-            return  # its text already ended (stop string); these are the engine's last steps for it
+        if seq is None:  # its text already ended (stop string); these are the engine's last steps for it
+            if out.timeline is not None:  # ... and the record of where its time went
+                texts.append(TextOutput(out.request_id, "", [], True, out.finish_reason, out.stop_reason, 0,
+                                        timeline=out.timeline))
+            return
         if out.logprobs:
             seq.logprobs.extend(out.logprobs)
         delta = seq.state.update(out.new_token_ids, out.finish_reason if out.finished else None)
@@ -90,7 +93,7 @@ class Detokenizer:
         texts.append(TextOutput(
             out.request_id, delta.text, delta.token_ids, delta.finished, delta.finish_reason,
             delta.stop_reason, delta.num_output_tokens, logprobs, out.queue_time, out.num_cached_tokens,
-            out.prompt_logprobs,
+            out.prompt_logprobs, out.timeline,
         ))
         if delta.finished or out.finished:
             del self.seqs[out.request_id]

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import zmq.asyncio
 
 from tokenmill.errors import InvalidRequest
+from tokenmill.frontend.output_merge import merge_pending
+from tokenmill.frontend.request_timelines import TimelineRing, frontend_view
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.ipc.channels import MAIN, SCHEDULER, AsyncReceiver, IpcPaths, Sender
 from tokenmill.ipc.messages import (
@@ -72,7 +75,8 @@ class Seq:
 
 
 class _SeqState:
-    __slots__ = ("queue", "index", "arrival", "last_time", "finished", "record", "num_output_tokens")
+    __slots__ = ("queue", "index", "arrival", "last_time", "finished", "record", "num_output_tokens", "sent",
+                 "first_time")
 
     def __init__(self, queue: asyncio.Queue, index: int, arrival: float, record: bool) -> None:
         self.queue = queue
@@ -82,6 +86,8 @@ class _SeqState:
         self.finished = False
         self.record = record  # health probes stay out of the latency histograms
         self.num_output_tokens = 0  # as last reported: the usage of a request ended by the server
+        self.sent: float | None = None  # when the AddRequest left (template and tokenization done)
+        self.first_time: float | None = None  # the first output's arrival
 
 
 def child_params(params: SamplingParams, k: int, all_prompt_logprobs: bool = False) -> SamplingParams:
@@ -123,6 +129,7 @@ class TokenizerManager:
         self._health: asyncio.Task[bool] | None = None
         self._shutting_down = False
         self.draining = False  # set by drain(): new requests get 503, running ones may finish
+        self.timelines = TimelineRing()  # recent finished sequences' stage times (request_timelines.py)
         self._recv_task = asyncio.create_task(self._recv_loop())
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -248,6 +255,22 @@ class TokenizerManager:
                     f"({limits.kv_capacity_tokens} tokens)", param="max_tokens",
                 )
 
+    def timeline(self, request_id: str) -> list[dict[str, Any]] | None:
+        """Stage times of request `request_id`'s sequences: finished ones from the ring, running
+        ones from their live state (engine view: not yet); None if no sequence is known."""
+        found = []
+        for i in itertools.count():
+            seq_id = f"{request_id}-{i}"
+            state = self._states.get(seq_id)
+            record = self.timelines.get(seq_id)
+            if record is None and state is not None and not state.finished:
+                view = frontend_view(state.arrival, state.sent, state.first_time, state.last_time)
+                record = {"id": seq_id, "status": "running", "frontend": view, "engine": None}
+            if record is None:
+                break
+            found.append(record)
+        return found or None
+
     @property
     def num_queued(self) -> int:
         """Sequences admitted that have produced no output yet (waiting for, or in, their prefill)."""
@@ -291,6 +314,7 @@ class TokenizerManager:
                 self._states[rid] = _SeqState(queue, i, arrival, record=not internal)
                 try:
                     self._to_scheduler.send(AddRequest(rid, seq.prompt_token_ids, seq.params, cache_salt))
+                    self._states[rid].sent = time.monotonic()
                 except (OverflowError, msgspec.EncodeError) as exc:  # e.g. an integer beyond 64 bits
                     raise InvalidRequest(f"a request parameter is out of range: {exc}") from exc
             left = len(rids)
@@ -366,6 +390,8 @@ class TokenizerManager:
                 state = self._states.get(out.request_id)
                 if state is not None:
                     self._deliver(state, out, now)
+                elif out.timeline is not None:
+                    self.timelines.engine(out.request_id, out.timeline)
         elif isinstance(message, SchedulerStats):
             self.stats = message
         elif isinstance(message, RequestFailed):
@@ -392,43 +418,15 @@ class TokenizerManager:
             if out.finished:
                 self.metrics.observe_finished(now - state.arrival, out.finish_reason)
         state.num_output_tokens = out.num_output_tokens
+        state.first_time = state.first_time or now
         if out.finished:
             state.finished = True
+            if state.record:
+                view = frontend_view(state.arrival, state.sent, state.first_time, now)
+                self.timelines.finished(out.request_id, view, out.finish_reason, out.timeline)
         state.queue.put_nowait((state.index, out))
 
     def _fail(self, rid: str, error: RequestError) -> None:
         state = self._states.get(rid)
         if state is not None:
             state.queue.put_nowait(error)
-
-
-def merge_pending(
-    pending: list[tuple[int, TextOutput] | RequestError],
-) -> tuple[list[tuple[int, TextOutput]], RequestError | None]:
-    """Queued DELTA outputs merged per sequence (in order of first appearance), and the first error
-    queued among them, if any (what came before it is still delivered)."""
-    merged: dict[int, TextOutput] = {}
-    for item in pending:
-        if isinstance(item, RequestError):
-            return list(merged.items()), item
-        index, out = item
-        prev = merged.get(index)
-        merged[index] = out if prev is None else _merge(prev, out)
-    return list(merged.items()), None
-
-
-def _merge(a: TextOutput, b: TextOutput) -> TextOutput:
-    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return TextOutput(
-        request_id=b.request_id,
-        text=a.text + b.text,
-        token_ids=a.token_ids + b.token_ids,
-        finished=b.finished,
-        finish_reason=b.finish_reason,
-        stop_reason=b.stop_reason,
-        num_output_tokens=b.num_output_tokens,
-        logprobs=logprobs,
-        queue_time=a.queue_time if a.queue_time is not None else b.queue_time,
-        num_cached_tokens=b.num_cached_tokens,
-        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
-    )

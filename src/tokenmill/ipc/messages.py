@@ -69,6 +69,8 @@ class TokenOutput(msgspec.Struct, array_like=True):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # params.prompt_logprobs, first output only: entry i scores prompt token i (entry 0 is None)
     prompt_logprobs: list[Logprob | None] | None = None
+    # the finished output: the engine's stage timeline (engine/timeline.py summary), in seconds
+    timeline: dict | None = None
 
 
 class TokenBatch(msgspec.Struct, tag=True):
@@ -92,6 +94,7 @@ class TextOutput(msgspec.Struct, array_like=True):
     queue_time: float | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[Logprob | None] | None = None
+    timeline: dict | None = None  # as TokenOutput's; may come after the text finished (a stop string)
 
 
 class TextBatch(msgspec.Struct, tag=True):

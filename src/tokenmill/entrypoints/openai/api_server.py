@@ -44,6 +44,7 @@ from tokenmill.entrypoints.openai.serving_common import check_model, now_s
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
 from tokenmill.entrypoints.openai.serving_tokenize import TokenizeServing
 from tokenmill.frontend.reasoning_parser import ReasoningParser, get_reasoning_parser
+from tokenmill.frontend.request_timelines import MAX_FINISHED
 from tokenmill.frontend.tokenizer_manager import RequestError, ServerStatus, TokenizerManager
 from tokenmill.frontend.tool_parsers import ToolParser, get_tool_parser
 from tokenmill.ipc.channels import IpcPaths
@@ -171,6 +172,14 @@ def build_app(
         card = model_card()
         check_model(model_id, card["id"])
         return JSONResponse(card)
+
+    @app.get("/v1/requests/{request_id}/timeline", dependencies=auth)
+    async def request_timeline(request_id: str) -> JSONResponse:
+        found = server.manager.timeline(request_id)
+        if found is None:
+            raise RequestError(f"no request {request_id!r} is running or among the last {MAX_FINISHED} finished",
+                               404, "request_id", "request_not_found")
+        return JSONResponse({"id": request_id, "sequences": found})
 
     @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:
