@@ -1,0 +1,201 @@
+#pragma once
+// Paged decode attention for a run of consecutive rows of one sequence (speculative decoding's
+// draft tokens, and fast mode's prompt chunks) as one work item per KV head.
+
+#include "paged_attention_common.h"
+
+namespace tm_attention {
+namespace {
+
+template <int W>
+TM_INLINE Vec<W> exp_nonpos_v(Vec<W> x) {
+  using V = Vec<W>;
+  using VI = std::conditional_t<W == 16, v16i, v8i>;
+  const V lowest = V{} - 87.0f;
+  x = x < lowest ? lowest : x;
+  const V shifter = V{} + 12582912.0f;
+  const V t = x * 1.44269504088896341f + shifter;
+  const V n = t - shifter;
+  const VI ni = reinterpret_cast<VI>(t) - reinterpret_cast<VI>(shifter);
+  V r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const V z = r * r;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * z + r + 1.0f;
+  return p * reinterpret_cast<V>((ni + 127) << 23);
+}
+
+// A run of R consecutive rows of one sequence (speculative decoding sends its draft tokens as
+// decode rows): identical block tables and lengths len0, len0 + 1, ..., len0 + R - 1, so row r
+// attends to positions 0..len0 + r - 1. One item per (run, KV head) computes all J = R x G query
+// vectors (j = r * G + g) like a small matrix product, each K/V page read and widened once:
+//  - scores position-major, st[pos][j], one vector of W query vectors per position: Q is
+//    transposed once into qt[d][j], and st[pos] = sum_d qt[d] * k[pos][d] (k broadcast), so no
+//    horizontal sums and no per-row K loads; the K page is widened to fp32 into kbuf first;
+//  - a softmax down each lane, positions past a row's own length masked out (weight 0);
+//  - out[j] = sum_pos st[pos][j] * v[pos], four query vectors at a time sharing each V row.
+// The kernel is bound by multiply-adds, which per-row items repeat for every row anyway; this
+// saves the per-row widening, loads and horizontal sums. Results match the per-row path's to
+// float rounding (the dot products are summed in another order).
+template <typename T, int HD, int W>
+TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t kvh, int64_t part, int64_t parts,
+                                float* __restrict partial, float* __restrict scratch) {
+  using V = Vec<W>;
+  constexpr int NC = HD / W;
+  constexpr int JB = 4;  // query vectors per pass of the weighted V sum
+  const int64_t G = a.group;
+  const int64_t J = R * G;
+  const int64_t JV = (J + W - 1) / W;  // vectors of query lanes
+  const int64_t JP = JV * W;  // padded lane count: the row length of st and qt
+  const int64_t len0 = a.lens[row0];
+  const int64_t lmax = len0 + R - 1;
+  const int64_t page_size = a.page_size;
+  const int64_t slot_stride = a.slot_stride;
+  const float scale = a.scale;
+  const T* kbase = static_cast<const T*>(a.k) + kvh * a.head_stride;
+  const T* vbase = static_cast<const T*>(a.v) + kvh * a.head_stride;
+  const int64_t* pages = a.table + (row0 + R - 1) * a.max_pages;
+  const int64_t total_pages = (lmax + page_size - 1) / page_size;
+  // This item's share of the pages: all of them, or part `part` of `parts` (see run_parts).
+  const int64_t page0 = total_pages * part / parts;
+  const int64_t num_pages = total_pages * (part + 1) / parts - page0;
+  pages += page0;
+  const int64_t base = page0 * page_size;  // the first position this item covers
+  const int64_t end = std::min(lmax, base + num_pages * page_size);
+  const int64_t page_elems = page_size * slot_stride;
+  const int64_t page_bytes = ((page_size - 1) * slot_stride + HD) * static_cast<int64_t>(sizeof(T));
+
+  float* __restrict st = scratch;  // [end - base][JP], row t - base for position t
+  float* __restrict qt = st + lmax * JP;  // [HD][JP]
+  float* __restrict accb = qt + HD * JP;  // [JP][HD]
+  float* __restrict stat = accb + JP * HD;  // [2][JP]: max, then 1 / sum
+  float* __restrict kbuf = stat + 2 * JP;  // [page_size][HD]
+
+  for (int64_t j = 0; j < JP; ++j) {
+    const float* q = a.q + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
+    for (int d = 0; d < HD; ++d) qt[d * JP + j] = j < J ? q[d] : 0.0f;
+  }
+
+  auto widen = [&](const T* src, int64_t n) {
+    for (int64_t t = 0; t < n; ++t)
+      for (int c = 0; c < NC; ++c) storev<W>(kbuf + t * HD + W * c, loadv<W>(src + t * slot_stride + W * c));
+  };
+
+  for (int64_t p = 0; p < std::min(kPrefetchPages, num_pages); ++p) prefetch_page(kbase + pages[p] * page_elems, page_bytes);
+  for (int64_t p = 0; p < num_pages; ++p) {
+    if (p + kPrefetchPages < num_pages) prefetch_page(kbase + pages[p + kPrefetchPages] * page_elems, page_bytes);
+    const int64_t first = p * page_size;  // relative to base
+    const int64_t n = std::min(page_size, end - base - first);
+    widen(kbase + pages[p] * page_elems, n);
+    for (int64_t jv = 0; jv < JV; ++jv) {
+      const float* __restrict qv = qt + jv * W;
+      float* __restrict sv = st + first * JP + jv * W;
+      int64_t t = 0;
+      for (; t + 8 <= n; t += 8) {
+        V acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = V{};
+        for (int d = 0; d < HD; ++d) {
+          const V x = loadv<W>(qv + d * JP);
+          for (int i = 0; i < 8; ++i) acc[i] += x * kbuf[(t + i) * HD + d];
+        }
+        for (int i = 0; i < 8; ++i) storev<W>(sv + (t + i) * JP, acc[i] * scale);
+      }
+      for (; t < n; ++t) {
+        V acc = V{};
+        for (int d = 0; d < HD; ++d) acc += loadv<W>(qv + d * JP) * kbuf[t * HD + d];
+        storev<W>(sv + t * JP, acc * scale);
+      }
+    }
+  }
+
+  // Softmax down each lane j over positions 0..len0 + j / G - 1 (of those this item covers), W lanes
+  // at a time; only the last R - 1 positions, which some rows do not reach, lane by lane. A lane with
+  // none of its positions here keeps max -inf and sum 0.
+  float* __restrict sum = stat + JP;
+  const int64_t full_end = std::min(end, len0);  // positions [base, full_end) are in every row
+  for (int64_t jv = 0; jv < JV; ++jv) {
+    V m = V{} - INFINITY;
+    for (int64_t t = base; t < full_end; ++t) {
+      const V x = loadv<W>(st + (t - base) * JP + jv * W);
+      m = x > m ? x : m;
+    }
+    storev<W>(stat + jv * W, m);
+  }
+  for (int64_t t = std::max(base, len0); t < end; ++t) {
+    const float* __restrict s = st + (t - base) * JP;
+    for (int64_t j = std::min((t - len0 + 1) * G, JP); j < JP; ++j) stat[j] = s[j] > stat[j] ? s[j] : stat[j];
+  }
+  for (int64_t jv = 0; jv < JV; ++jv) {
+    const V m = loadv<W>(stat + jv * W);
+    V total = V{};
+    for (int64_t t = base; t < full_end; ++t) {
+      float* x = st + (t - base) * JP + jv * W;
+      const V e = exp_nonpos_v<W>(loadv<W>(x) - m);
+      storev<W>(x, e);
+      total += e;
+    }
+    storev<W>(sum + jv * W, total);
+  }
+  for (int64_t t = std::max(base, len0); t < end; ++t) {
+    float* __restrict s = st + (t - base) * JP;
+    const int64_t lo = std::min((t - len0 + 1) * G, JP);  // lanes below lo end before t: weight 0
+    for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
+    for (int64_t j = lo; j < JP; ++j) {
+      s[j] = exp_nonpos(s[j] - stat[j]);
+      sum[j] += s[j];
+    }
+  }
+
+  std::fill(accb, accb + JP * HD, 0.0f);
+  for (int64_t p = 0; p < std::min(kPrefetchPages, num_pages); ++p) prefetch_page(vbase + pages[p] * page_elems, page_bytes);
+  for (int64_t p = 0; p < num_pages; ++p) {
+    if (p + kPrefetchPages < num_pages) prefetch_page(vbase + pages[p + kPrefetchPages] * page_elems, page_bytes);
+    const int64_t first = p * page_size;
+    const int64_t n = std::min(page_size, end - base - first);
+    widen(vbase + pages[p] * page_elems, n);
+    for (int64_t j0 = 0; j0 < J; j0 += JB) {
+      V acc[JB][NC];
+      for (int jj = 0; jj < JB; ++jj)
+        for (int c = 0; c < NC; ++c) acc[jj][c] = loadv<W>(accb + (j0 + jj) * HD + W * c);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* __restrict s = st + (first + t) * JP + j0;
+        V v[NC];
+        for (int c = 0; c < NC; ++c) v[c] = loadv<W>(kbuf + t * HD + W * c);
+        for (int jj = 0; jj < JB; ++jj) {
+          const float w = s[jj];
+          for (int c = 0; c < NC; ++c) acc[jj][c] += w * v[c];
+        }
+      }
+      for (int jj = 0; jj < JB; ++jj)
+        for (int c = 0; c < NC; ++c) storev<W>(accb + (j0 + jj) * HD + W * c, acc[jj][c]);
+    }
+  }
+  if (partial != nullptr) {  // [J][HD + 2]: the unnormalised sum, the max, the sum of weights
+    for (int64_t j = 0; j < J; ++j) {
+      float* __restrict pj = partial + j * (HD + 2);
+      for (int c = 0; c < NC; ++c) storev<W>(pj + W * c, loadv<W>(accb + j * HD + W * c));
+      pj[HD] = stat[j];
+      pj[HD + 1] = sum[j];
+    }
+    return;
+  }
+  for (int64_t j = 0; j < J; ++j) {
+    float* __restrict out = a.out + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
+    const float inv = 1.0f / sum[j];
+    for (int c = 0; c < NC; ++c) storev<W>(out + W * c, loadv<W>(accb + j * HD + W * c) * inv);
+  }
+}
+
+// Scratch floats attend_run_items needs (for any W up to 16).
+inline int64_t run_scratch(int64_t rows, int64_t group, int64_t len_last, int64_t hd, int64_t page_size) {
+  const int64_t jp = (rows * group + 15) / 16 * 16;
+  return jp * (len_last + 2 + 2 * hd) + page_size * hd;
+}
+
+}  // namespace
+}  // namespace tm_attention
