@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -165,6 +166,7 @@ class EngineCore:
     def grammar_manager(self) -> Any:
         if self._grammar is None:
             from tokenmill.model.default_model import default_model_path
+            from tokenmill.model.tokenizer_files import load_tokenizer_files
             from tokenmill.sample.grammar import GrammarManager, xgrammar_backend
 
             try:
@@ -174,9 +176,10 @@ class EngineCore:
                     "structured output needs xgrammar: pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi",
                     param="response_format",
                 ) from None
-            path = self.config.model or default_model_path()
+            path = os.path.abspath(os.path.expanduser(self.config.model or default_model_path()))
             stops = tuple(sorted(self.eos_token_ids))
-            self._grammar = GrammarManager(lambda: xgrammar_backend(path, self.vocab_size, stops))
+            self._grammar = GrammarManager(
+                lambda: xgrammar_backend(load_tokenizer_files(path).backend, self.vocab_size, stops))
         return self._grammar
 
     def _matcher(self, request: Request) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -222,14 +221,12 @@ class GrammarManager:
 
 
 @functools.lru_cache(maxsize=4)
-def xgrammar_backend(model_path: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> XGrammarBackend:
-    """One backend per model (TokenizerInfo construction walks the whole vocabulary)."""
+def xgrammar_backend(backend: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> XGrammarBackend:
+    """One backend per model (TokenizerInfo construction walks the whole vocabulary). `backend` is the
+    model's `tokenizers.Tokenizer`, the very object the frontend encodes with (model/tokenizer_files.py
+    loads it once per path): same ids, no second load."""
     from transformers import PreTrainedTokenizerFast
 
-    from tokenmill.frontend.tokenizer import Tokenizer
-
-    # Wrap the exact `tokenizers` object the frontend encodes with: same ids, no second load.
-    tok = Tokenizer.from_model_path(model_path)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok.backend)
-    logger.info("xgrammar backend for %s (vocab %d)", os.path.basename(model_path), vocab_size)
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend)
+    logger.info("xgrammar backend (vocab %d)", vocab_size)
     return XGrammarBackend(hf, vocab_size, stop_token_ids)
