@@ -100,4 +100,6 @@ def test_end_to_end_with_transformers_peer_on_tiny_model(tmp_path, capsys):
     assert all(r["output_tokens"] == expected for r in report["results"].values())
     assert all(len(r["runs"]) == 2 for r in report["results"].values())
     assert report["ratio_output_tokens_per_s"] > 0
-    assert "tokenmill / transformers" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "tokenmill / transformers" in printed.out
+    assert "transformers: 100%" in printed.err and "generating: 100%" in printed.err  # progress, on stderr

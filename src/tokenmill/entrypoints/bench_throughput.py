@@ -148,7 +148,7 @@ def run_tokenmill(llm: Any, workload: list[BenchRequest]) -> RunResult:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=True)  # progress on stderr: a run takes a while
     seconds = time.perf_counter() - start
     errors, useful = [], 0
     for i, (req, out) in enumerate(zip(workload, outs)):
@@ -185,8 +185,12 @@ def run_transformers(model: Any, workload: list[BenchRequest], batch_size: int) 
     Only each request's own length counts as output: the rest of a batch's tokens are the waste a
     static batch really pays, which is the point of comparing against it.
     """
+    from tqdm import tqdm
+
     pad = 0  # any id: the attention mask hides padding
     errors, useful = [], 0
+    # Minutes without output otherwise: the bar (stderr) counts requests done, batch by batch.
+    bar = tqdm(total=len(workload), desc="transformers", unit="req")
     start = time.perf_counter()
     for first in range(0, len(workload), batch_size):
         batch = workload[first:first + batch_size]
@@ -203,7 +207,9 @@ def run_transformers(model: Any, workload: list[BenchRequest], batch_size: int) 
         if got != new:
             errors.append(f"transformers batch at request {first}: {got} new tokens, asked for {new}")
         useful += sum(min(got, r.output_len) for r in batch)
+        bar.update(len(batch))
     seconds = time.perf_counter() - start
+    bar.close()
     return RunResult(seconds, len(workload), _prompt_tokens(workload), useful, errors)
 
 
