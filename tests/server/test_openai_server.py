@@ -178,6 +178,23 @@ def test_request_timeline_from_both_processes(client, model, server):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
 
 
+def test_inline_timing_only_when_asked(client, model):
+    keys = {"queue_time", "prefill_time", "first_token_latency", "decode_throughput"}
+    plain = client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=4, temperature=0)
+    assert "timing" not in plain.model_dump()  # off by default
+    timed = client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=4, temperature=0,
+                                      extra_body={"include_timing": True, "ignore_eos": True})
+    timing = timed.model_extra["timing"]
+    assert set(timing) == keys and timing["queue_time"] >= 0 and timing["decode_throughput"] > 0
+    assert timing["first_token_latency"] == pytest.approx(timing["queue_time"] + timing["prefill_time"])
+    # streamed: one chunk with no choices carries it, just before [DONE]; a stop string ends this one
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count: 1, 2, 3,"}], max_tokens=20, temperature=0,
+        stream=True, stop=[","], extra_body={"include_timing": True}))
+    last = chunks[-1].model_extra
+    assert chunks[-1].choices == [] and set(last["timing"]) == keys and last["timing"]["prefill_time"] > 0
+
+
 def test_logprobs(client, model):
     chat = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=5, logprobs=True,
                                           top_logprobs=3)

@@ -37,10 +37,12 @@ from tokenmill.entrypoints.openai.serving_common import (
     new_id,
     now_s,
     parse_body,
+    request_timing,
     sse,
     sse_error,
     unless_disconnected,
     usage,
+    with_timing,
 )
 from tokenmill.frontend.reasoning_parser import ReasoningDelta, ReasoningParser, ReasoningState
 from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
@@ -102,6 +104,9 @@ class ChatServing(ServingBase):
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             stream = self._stream(outputs, request_id, model, params.n, len(prompt_ids), want_logprobs, include_usage,
                                   record, tools)
+            if req.include_timing:
+                head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": model}
+                stream = with_timing(stream, self.manager, request_id, head)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             body = await unless_disconnected(
@@ -110,6 +115,8 @@ class ChatServing(ServingBase):
         except ClientDisconnected:
             return disconnected_response()
         record.set_usage(body["usage"])
+        if req.include_timing:
+            body["timing"] = await request_timing(self.manager, request_id)
         return JSONResponse(body)
 
     async def _collect(

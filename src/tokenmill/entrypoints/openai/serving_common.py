@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -210,3 +210,28 @@ def vllm_prompt_logprobs(items: list[Logprob | None], texts: TokenTexts) -> list
         entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": texts(lp.token_id)}
         out.append(entry)
     return out
+
+
+# The numbers an inline `timing` field reports (engine/timeline.py summary): queue time, first-token
+# latency minus queue time, decode throughput, and the first-token latency itself.
+TIMING_KEYS = ("queue_time", "prefill_time", "first_token_latency", "decode_throughput")
+
+
+async def request_timing(manager: TokenizerManager, request_id: str, wait_s: float = 1.0) -> dict[str, Any] | None:
+    """The engine's timing of the request's first sequence, in seconds. It comes with the last output,
+    or a step later when a stop string ended the text first: wait that long, then give up (None)."""
+    deadline = time.monotonic() + wait_s
+    while (record := manager.timelines.get(f"{request_id}-0")) is None or record.get("engine") is None:
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.01)
+    return {key: record["engine"].get(key) for key in TIMING_KEYS}
+
+
+async def with_timing(stream: AsyncIterator[str], manager: TokenizerManager, request_id: str,
+                      head: dict[str, Any]) -> AsyncIterator[str]:
+    """`stream` with one more chunk before [DONE]: no choices, the request's `timing`."""
+    async for item in stream:
+        if item == DONE:
+            yield sse({**head, "choices": [], "timing": await request_timing(manager, request_id)})
+        yield item

@@ -35,11 +35,13 @@ from tokenmill.entrypoints.openai.serving_common import (
     new_id,
     now_s,
     parse_body,
+    request_timing,
     sse,
     sse_error,
     unless_disconnected,
     usage,
     vllm_prompt_logprobs,
+    with_timing,
 )
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.tokenizer import Tokenizer
@@ -101,12 +103,17 @@ class CompletionServing(ServingBase):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             stream = self._stream(outputs, job, include_usage, record)
+            if req.include_timing:
+                head = {"id": job.request_id, "object": "text_completion", "created": now_s(), "model": job.model}
+                stream = with_timing(stream, self.manager, job.request_id, head)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             body = await unless_disconnected(raw, self._collect(outputs, job))
         except ClientDisconnected:
             return disconnected_response()
         record.set_usage(body["usage"])
+        if req.include_timing:
+            body["timing"] = await request_timing(self.manager, job.request_id)
         return JSONResponse(body)
 
     def _prompt_logprobs(self, job: _Job, prompt: int, items: list[Logprob | None] | None) -> dict[str, Any]:
