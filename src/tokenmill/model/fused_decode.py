@@ -12,18 +12,13 @@ from __future__ import annotations
 import torch
 
 from tokenmill.model.attention import AttentionMetadata, TorchPagedAttention
-from tokenmill.model.kernels import decode_step
+from tokenmill.model.kernels import decode_step, quant_kernel
 from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS, QuantizedLinear
 from tokenmill.model.quant import BlockedWeight
 
-_EMPTY = torch.empty(0, dtype=torch.float16)
-
 
 def _blocked(linear) -> BlockedWeight | None:
-    """The linear's VNNI weight when it runs the VNNI kernel below BLOCKED_DENSE_MIN_ROWS rows."""
-    if isinstance(linear, QuantizedLinear) and linear.bias is None and linear._vnni is not None:
-        return linear.weight
-    return None
+    return linear.vnni_weight if isinstance(linear, QuantizedLinear) else None
 
 
 class FusedDecodeStack:
@@ -50,7 +45,7 @@ class FusedDecodeStack:
             tensors += [layer.input_norm.contiguous(), layer.post_norm.contiguous()]
             for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
                 w = _blocked(part)
-                tensors += [w.codes, w.scales, _EMPTY if w.mins is None else w.mins]
+                tensors += [w.codes, w.scales, quant_kernel.or_empty(w.mins)]
                 bits.append(w.bits)
         c = model.config
         self.kv_caches = kv_caches

@@ -248,7 +248,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._state = state
         self._shutdown_timeout = shutdown_timeout
-        self._drain: asyncio.Task | None = None
+        self._drain: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
         self._draining = False
 
     def handle_exit(self, sig: int, frame) -> None:

@@ -2,8 +2,6 @@
 
 #include "fused_ops.h"
 
-#include <type_traits>
-
 namespace {
 
 using namespace tm_fused;
@@ -108,10 +106,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   at::Tensor out = at::empty({T, inter}, gate_up.options());
   const bool wide = use_avx512();
   with_input(gate_up, bf16, [&](const auto* src) {
-    auto* o = reinterpret_cast<std::remove_const_t<std::remove_pointer_t<decltype(src)>>*>(out.data_ptr());
-    at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-      if (wide) silu_mul_rows_avx512(src, inter, o, t0, t1);
-      else silu_mul_rows_base(src, inter, o, t0, t1);
+    with_output(out, bf16, [&](auto* o) {
+      at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+        if (wide) silu_mul_rows_avx512(src, inter, o, t0, t1);
+        else silu_mul_rows_base(src, inter, o, t0, t1);
+      });
     });
   });
   return out;

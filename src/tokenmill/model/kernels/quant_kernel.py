@@ -34,38 +34,39 @@ def vnni_available() -> bool:
 
 def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2) -> torch.Tensor:
     """terms: int8 terms per activation (2: ~15 bits, near fp32 quality; 1: llama.cpp's Q8)."""
-    return torch.ops.tokenmill_vnni.linear(x, w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0], terms)
+    return torch.ops.tokenmill_vnni.linear(x, w.codes, w.scales, or_empty(w.mins), w.bits, w.shape[0], terms)
 
 
 def bound_blocked_linear(w: BlockedWeight, terms: int = 2):
     """`blocked_linear` with the weight's arguments bound: x -> x @ w.T (the decode hot path)."""
     op = torch.ops.tokenmill_vnni.linear.default
-    args = (w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0], terms)
+    args = (w.codes, w.scales, or_empty(w.mins), w.bits, w.shape[0], terms)
     return lambda x: op(x, *args)
 
 
 def blocked_dequantize_bf16(w: BlockedWeight) -> torch.Tensor:
-    return torch.ops.tokenmill_vnni.dequantize_bf16(w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0],
+    return torch.ops.tokenmill_vnni.dequantize_bf16(w.codes, w.scales, or_empty(w.mins), w.bits, w.shape[0],
                                                     w.shape[1])
 
 
 def blocked_rows(w: BlockedWeight, ids: torch.Tensor) -> torch.Tensor:
-    return torch.ops.tokenmill_vnni.dequantize_rows(w.codes, w.scales, _or_empty(w.mins), w.bits, w.shape[0],
+    return torch.ops.tokenmill_vnni.dequantize_rows(w.codes, w.scales, or_empty(w.mins), w.bits, w.shape[0],
                                                     w.shape[1], ids)
 
 
-def _or_empty(t: torch.Tensor | None) -> torch.Tensor:
+def or_empty(t: torch.Tensor | None) -> torch.Tensor:
+    """A weight's optional mins as the kernels take them: an empty tensor for none."""
     return _EMPTY if t is None else t
 
 
 def linear(x: torch.Tensor, w: QuantizedWeight, isa: int = -1) -> torch.Tensor:
     """x [M, K] float32 @ w.T -> [M, N] float32. isa (tests): at most 0 portable, 1 AVX2, 2 AVX-512."""
-    mins = _EMPTY if w.mins is None else w.mins
+    mins = or_empty(w.mins)
     return torch.ops.tokenmill_quant.linear(x, w.codes, w.scales, mins, w.bits, isa)
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    mins = _EMPTY if w.mins is None else w.mins
+    mins = or_empty(w.mins)
     return torch.ops.tokenmill_quant.dequantize(w.codes, w.scales, mins, w.bits, w.shape[1], dtype == torch.bfloat16)
 
 

@@ -63,6 +63,12 @@ class QuantizedLinear:
         return out if self.bias is None else out.add_(self.bias)
 
     @property
+    def vnni_weight(self) -> BlockedWeight | None:
+        """The column-blocked weight when calls below BLOCKED_DENSE_MIN_ROWS rows run the VNNI kernel
+        (what the fused decode step runs too), else None."""
+        return self.weight if self._vnni is not None and self.bias is None else None
+
+    @property
     def bf16_from_rows(self) -> int | None:
         """From how many rows a bf16 input gives a bf16 output (the dequantize + bf16 GEMM path), or
         None where the layer always returns float32."""
