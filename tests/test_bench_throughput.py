@@ -80,12 +80,17 @@ def _check_report(path, engines):
 
 def test_end_to_end_on_bundled_model(tmp_path):
     out = tmp_path / "bench.json"
-    assert main(["bench", "throughput", *TINY, "--json", str(out)]) == 0
+    assert main(["bench", "throughput", *TINY, "--json", str(out), "--report", str(tmp_path / "report")]) == 0
     report = _check_report(out, ["tokenmill"])
     expected = make_workload(3, (8, 16), (4, 8), vocab_size=49152, seed=0)
     result = report["results"]["tokenmill"]
     assert result["output_tokens"] == sum(r.output_len for r in expected)
     assert result["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in expected)
+    # Per-request latencies for the report's CDFs (every request made more than one token).
+    ttfts, itls = result["per_request"]["ttft_s"], result["per_request"]["itl_s"]
+    assert len(ttfts) == len(itls) == 3 and all(t > 0 for t in ttfts) and all(x > 0 for x in itls)
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert page.count("data:image/png;base64,") == 2 and f"{result['output_tokens_per_s']:.1f}" in page
 
 
 def test_end_to_end_with_transformers_peer_on_tiny_model(tmp_path, capsys):

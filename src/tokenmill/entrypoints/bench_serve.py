@@ -50,6 +50,8 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
     p.add_argument("--json", metavar="PATH", default=None, help="write settings and results here")
+    p.add_argument("--report", metavar="DIR", default=None,
+                   help="write an HTML report with plots (latency CDFs, rates against concurrency) here")
     g = p.add_argument_group("peer")
     g.add_argument("--peer-url", default=None,
                    help="a second OpenAI-compatible server (e.g. llama-server) sent the same requests; "
@@ -75,6 +77,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.report:
+        from tokenmill.entrypoints.bench_report import write_report
+
+        print(f"report: {write_report(report, args.report, 'serve')}")
     peer_results = report["peer"]["results"] if "peer" in report else []
     return 1 if any(r["errors"] for r in [*report["results"], *peer_results]) else 0
 
@@ -243,6 +249,10 @@ def _summarize(level: int, samples: list[Sample], seconds: float) -> dict:
         "mean_output_tokens": out_tokens / len(ok) if ok else 0.0,
         **{f"ttft_p{q}_s": percentile(ttfts, q) for q in (50, 90, 99)},
         **{f"itl_p{q}_s": percentile(itls, q) for q in (50, 90, 99)},
+        # Every value, for the report's CDFs (percentiles alone hide a distribution's shape); microseconds
+        # are plenty and keep a long run's JSON small.
+        "ttfts_s": [round(x, 6) for x in ttfts],
+        "itls_s": [round(x, 6) for x in itls],
         "errors": sorted({s.error for s in samples if s.error}),
         "num_errors": sum(1 for s in samples if not s.ok),
     }

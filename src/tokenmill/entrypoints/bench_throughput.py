@@ -58,6 +58,8 @@ def add_throughput_parser(subparsers: Any, add_engine_args: Callable[[argparse.A
     g.add_argument("--repeats", type=at_least(1), default=1, help="timed runs per engine; median and spread reported")
     g.add_argument("--ceiling-size", type=at_least(1), default=2048, help="square matmul size for the ceilings")
     g.add_argument("--json", metavar="PATH", default=None, help="write settings and results here")
+    g.add_argument("--report", metavar="DIR", default=None,
+                   help="write an HTML report with plots (rates per engine, per-request latency CDFs) here")
     add_engine_args(p)
     p.set_defaults(func=cmd_throughput)
 
@@ -85,10 +87,12 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     if warmup:
         run_tokenmill(llm, warmup)
     runs = []
+    per_request: dict[str, list[float | None]] = {}  # the last repeat's, for the report's CDFs
     for _ in range(args.repeats):
         _reset_prefix_cache(llm)  # a repeat must not be served from the previous one's cache
-        runs.append(run_tokenmill(llm, workload))
+        runs.append(run_tokenmill(llm, workload, per_request))
     results = {"tokenmill": summarize(runs, flops, ceilings["bf16" if args.precision == "fast" else "fp32"])}
+    results["tokenmill"]["per_request"] = per_request
     # Steps, preemptions and prefix-cache hits explain a number; they are cumulative over warm-up and repeats.
     engine_stats = llm.stats()
     del llm  # free its weights and KV pool before the peer loads its own copy
@@ -123,6 +127,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.report:
+        from tokenmill.entrypoints.bench_report import write_report
+
+        print(f"report: {write_report(report, args.report, 'throughput')}")
     failed = any(r["errors"] for r in results.values())
     return 1 if failed else 0
 
@@ -142,7 +150,10 @@ def _reset_prefix_cache(llm: Any) -> None:
 
 
 # ---- the engines -------------------------------------------------------------------------------
-def run_tokenmill(llm: Any, workload: list[BenchRequest]) -> RunResult:
+def run_tokenmill(llm: Any, workload: list[BenchRequest],
+                  per_request: dict[str, list[float | None]] | None = None) -> RunResult:
+    """One timed run; `per_request`, if given, receives each request's TTFT and mean inter-token
+    latency (seconds, from RequestOutput.metrics, i.e. the engine's own clock)."""
     from tokenmill.sample.sampling_params import SamplingParams
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
@@ -156,6 +167,10 @@ def run_tokenmill(llm: Any, workload: list[BenchRequest]) -> RunResult:
         useful += min(got, req.output_len)
         if got != req.output_len:
             errors.append(f"tokenmill request {i}: {got} output tokens, asked for {req.output_len}")
+    if per_request is not None:
+        metrics = [out.metrics or {} for out in outs]
+        per_request["ttft_s"] = [m.get("first_token_latency") for m in metrics]
+        per_request["itl_s"] = [1.0 / m["decode_throughput"] if m.get("decode_throughput") else None for m in metrics]
     return RunResult(seconds, len(workload), _prompt_tokens(workload), useful, errors)
 
 

@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.entrypoints.bench_quality import add_quality_parser
 
     add_quality_parser(bench)
+    from tokenmill.entrypoints.bench_report import add_report_parser
+
+    add_report_parser(bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
