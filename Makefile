@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test run serve lint bench clean
+.PHONY: setup test run serve lint bench stress clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/tokenmill bench throughput --peer transformers
+
+# Memory under load (not part of `make test`): 16 streams with aborts for 2 minutes; fails when RSS
+# outside the KV pool grows more than 5% after warm-up (the 10-minute, 64-stream run: docs/benchmarks.md).
+stress: setup
+	$(VENV)/bin/tokenmill bench soak --streams 16 --minutes 2 --server-args "--num-threads 1" $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -23,6 +23,7 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore, EngineOutput
+from tokenmill.engine.memory_trim import IdleTrimmer, write_kv_pool_map
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.errors import InvalidRequest
 from tokenmill.ipc.channels import DETOKENIZER, MAIN, SCHEDULER, IpcPaths, Receiver, Sender
@@ -68,8 +69,10 @@ class SchedulerLoop:
         self._stats_dirty = True
 
     def run(self) -> None:
+        trimmer = IdleTrimmer()  # gives a busy stretch's freed heap back once the engine is idle
         while True:
             busy = self.engine.has_unfinished()
+            trimmer.update(busy)
             if busy or self.inbox.poll(IDLE_POLL_MS):
                 for message in self.inbox.drain():
                     try:
@@ -214,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         inbox = Receiver(ctx, paths.address(SCHEDULER), ToScheduler)
         to_detok = Sender(ctx, paths.address(DETOKENIZER))
         engine = build_engine_core(config)
+        write_kv_pool_map(engine.runner.kv_caches)  # soak benchmarks: where the KV pool lives
         loop = SchedulerLoop(engine, inbox, to_detok, to_main)
         to_main.send(SchedulerReady(
             model_name=args.served_model_name or model_name(config),

@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.entrypoints.bench_quality import add_quality_parser
 
     add_quality_parser(bench)
+    from tokenmill.entrypoints.bench_soak import add_soak_parser
+
+    add_soak_parser(bench)
     from tokenmill.entrypoints.bench_report import add_report_parser
 
     add_report_parser(bench)

@@ -1,0 +1,102 @@
+"""Memory of a long-running scheduler process: give freed heap back to the OS, and say where the KV
+pool lives so a soak can tell the pool's resident pages from everything else.
+
+Why: per-step tensors of varying shapes (batch rows, prefill chunk lengths, attention metadata) are
+small and medium CPU allocations that glibc malloc serves from its heap and arenas; after a busy
+stretch the freed space stays resident until something trims it. `trim_when_idle` calls
+`malloc_trim(0)` once each time the engine goes from busy to idle (tens of ms at most, and only
+when nothing waits), so a burst's memory returns when it ends. The environment side (arena count,
+fixed mmap/trim thresholds) is set for the scheduler child in entrypoints/openai/processes.py.
+
+The KV pool is allocated with torch.empty: its pages become resident as they are first written
+(and the prefix cache keeps them), so a process's RSS grows with KV use alone. With
+`TOKENMILL_KV_POOL_DIR` set, each scheduler writes its pool tensors' address ranges there as
+`kv_pool-<pid>.json`; `tokenmill bench soak` subtracts the resident pages inside them (read from
+/proc/PID/pagemap).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+KV_POOL_DIR_ENV = "TOKENMILL_KV_POOL_DIR"
+# A busy/idle flip-flop (one request at a time, back to back) trims at most this often.
+MIN_TRIM_INTERVAL_S = 5.0
+
+
+def _load_malloc_trim() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def malloc_trim() -> bool:
+    """Return freed heap (all arenas) to the OS; False where glibc is not the allocator."""
+    return bool(_malloc_trim is not None and _malloc_trim(0))
+
+
+class IdleTrimmer:
+    """Calls malloc_trim once per busy -> idle transition, at most every MIN_TRIM_INTERVAL_S."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self._clock = clock
+        self._was_busy = False
+        self._last = float("-inf")
+        self.trims = 0
+
+    def update(self, busy: bool) -> None:
+        if busy:
+            self._was_busy = True
+            return
+        now = self._clock()
+        if self._was_busy and now - self._last >= MIN_TRIM_INTERVAL_S:
+            self._was_busy = False
+            self._last = now
+            self.trims += 1
+            malloc_trim()
+
+
+def kv_pool_ranges(kv_caches: Iterable[tuple[Any, ...]]) -> list[tuple[int, int]]:
+    """[start, end) byte addresses of every KV tensor (each (k, v) pair of a layer)."""
+    ranges = []
+    for layer in kv_caches:
+        for t in layer:
+            start = t.data_ptr()
+            ranges.append((start, start + t.numel() * t.element_size()))
+    return ranges
+
+
+def kv_pool_file(directory: str, pid: int) -> str:
+    return os.path.join(directory, f"kv_pool-{pid}.json")
+
+
+def write_kv_pool_map(kv_caches: Iterable[tuple[Any, ...]]) -> None:
+    """Write the pool's address ranges to $TOKENMILL_KV_POOL_DIR, when set (soak benchmarks)."""
+    directory = os.environ.get(KV_POOL_DIR_ENV)
+    if not directory:
+        return
+    path = kv_pool_file(directory, os.getpid())
+    ranges = kv_pool_ranges(kv_caches)
+    try:
+        with open(path, "w") as f:
+            json.dump({"pid": os.getpid(), "bytes": sum(e - s for s, e in ranges), "ranges": ranges}, f)
+    except OSError as exc:
+        logger.warning("cannot write the KV pool map to %s: %s", path, exc)
