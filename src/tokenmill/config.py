@@ -10,6 +10,29 @@ from tokenmill.model.layers.factory import QUANTIZATIONS
 
 PRECISIONS = ("exact", "fast")
 SPECULATIVE_METHODS = ("ngram", "draft")
+# How the data-parallel controller picks a replica (frontend/dp_controller.py).
+LOAD_BALANCE_METHODS = ("round_robin", "least_requests", "least_tokens", "prefix_aware")
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """`tokenmill serve --data-parallel-size N`: N scheduler processes, each a whole engine with its
+    own KV pool, behind one HTTP front end. Server-only: the offline LLM runs one engine in-process."""
+
+    size: int = 1
+    load_balance_method: str = "round_robin"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise InvalidRequest(f"data_parallel_size must be an integer >= 1, got {self.size!r}",
+                                 param="data_parallel_size")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise InvalidRequest(f"load_balance_method must be one of {LOAD_BALANCE_METHODS}, got "
+                                 f"{self.load_balance_method!r}", param="load_balance_method")
+
+    def replica_threads(self, threads: int) -> int:
+        """Each replica's share of --num-threads (at least 1): replicas on one machine share its cores."""
+        return max(1, threads // self.size)
 
 
 @dataclass(frozen=True)
@@ -153,6 +176,13 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         known = {f.name for f in fields(cls)}
+        if kwargs.get("data_parallel_size", 1) != 1:
+            raise InvalidRequest(
+                "data_parallel_size is server-only: the offline LLM runs one engine in this process; use "
+                "`tokenmill serve --data-parallel-size N` (N engine processes behind one HTTP front end)",
+                param="data_parallel_size",
+            )
+        kwargs.pop("data_parallel_size", None)
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise InvalidRequest(f"unknown engine argument(s): {', '.join(unknown)}", param=unknown[0])

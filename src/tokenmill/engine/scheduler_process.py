@@ -181,6 +181,7 @@ class SchedulerLoop:
             spec_decode_num_draft_tokens_total=s.get("spec_decode_num_draft_tokens_total", 0),
             spec_decode_num_accepted_tokens_total=s.get("spec_decode_num_accepted_tokens_total", 0),
             spec_decode_num_emitted_tokens_total=s.get("spec_decode_num_emitted_tokens_total", 0),
+            num_tokens=sum(r.num_tokens for r in self.engine.requests.values()),
         ))
         self._last_stats = now
         self._stats_dirty = not idle
@@ -205,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--parent-pid", type=int, default=None)
+    parser.add_argument("--replica", type=int, default=None, help="data-parallel replica index (logs only)")
     args = parser.parse_args(argv)
-    child_process_setup("scheduler", args.log_level, args.parent_pid)
+    name = "scheduler" if args.replica is None else f"scheduler-{args.replica}"
+    child_process_setup(name, args.log_level, args.parent_pid)
     paths = IpcPaths(args.ipc_dir)
     ctx = zmq.Context()
     to_main = Sender(ctx, paths.address(MAIN))
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         ))
     except Exception as exc:
         logger.exception("scheduler start-up failed")
-        to_main.send(ProcessFailed("scheduler", f"{type(exc).__name__}: {exc}"))
+        to_main.send(ProcessFailed(name, f"{type(exc).__name__}: {exc}"))
         time.sleep(0.5)  # LINGER is 0: give the message a moment to leave before the socket dies
         return 1
     try:

@@ -8,7 +8,14 @@ import logging
 import os
 import sys
 
-from tokenmill.config import PRECISIONS, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+from tokenmill.config import (
+    LOAD_BALANCE_METHODS,
+    PRECISIONS,
+    SPECULATIVE_METHODS,
+    DataParallelConfig,
+    EngineConfig,
+    SpeculativeConfig,
+)
 from tokenmill.errors import TokenmillError
 
 
@@ -161,6 +168,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, shutdown_timeout=args.shutdown_timeout)
     if args.max_queued_requests is not None:
         config = dataclasses.replace(config, max_queued_requests=args.max_queued_requests)
+    if args.data_parallel_size > 1:
+        config = dataclasses.replace(config, data_parallel=DataParallelConfig(
+            args.data_parallel_size, args.load_balance_method))
     try:
         return run_server(config)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
@@ -224,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shutdown-timeout", type=_non_negative_float, default=None,
                    help="on SIGTERM, seconds the running requests get to finish while new ones get 503; "
                         "the rest then end with finish_reason 'abort' (default: 20)")
+    p.add_argument("--data-parallel-size", "--dp", type=_positive_int, default=1, metavar="N",
+                   help="N engine processes (each its own KV pool and --num-threads / N threads) behind "
+                        "this one HTTP server (default: 1)")
+    p.add_argument("--load-balance-method", choices=list(LOAD_BALANCE_METHODS), default="round_robin",
+                   help="how requests are spread over the --data-parallel-size replicas; prefix_aware "
+                        "sends shared prompt prefixes to the replica that cached them (default: round_robin)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

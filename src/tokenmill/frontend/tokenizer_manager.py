@@ -108,7 +108,7 @@ class TokenizerManager:
     RETRY_AFTER_S = 1
 
     def __init__(self, ctx: zmq.asyncio.Context, paths: IpcPaths, model_path: str, metrics: MetricsSink,
-                 max_queued_requests: int | None = None) -> None:
+                 max_queued_requests: int | None = None, channels: tuple[Any, Any] | None = None) -> None:
         self.model_path = model_path
         # Bound on sequences admitted but not yet producing output (waiting, or in prefill); None:
         # sized from the KV pool once the scheduler reports it (queued_bound).
@@ -120,8 +120,9 @@ class TokenizerManager:
         self.limits: SchedulerReady | None = None
         self.stats: SchedulerStats | None = None
         self.last_text_time = 0.0
-        self._inbox = AsyncReceiver(ctx, paths.address(MAIN), ToMain)
-        self._to_scheduler = Sender(ctx, paths.address(SCHEDULER))
+        # channels: (recv, send) of a data-parallel router (frontend/dp_router.py) standing in for one scheduler
+        self._inbox, self._to_scheduler = channels or (AsyncReceiver(ctx, paths.address(MAIN), ToMain),
+                                                       Sender(ctx, paths.address(SCHEDULER)))
         self._states: dict[str, _SeqState] = {}
         self._scheduler_ready = asyncio.Event()
         self._detokenizer_ready = asyncio.Event()

@@ -36,6 +36,14 @@ class IpcPaths:
     def address(self, process: str) -> str:
         return f"ipc://{os.path.join(self.directory, process)}"
 
+    def replica(self, index: int) -> IpcPaths:
+        """Data-parallel replica `index`'s own directory: its scheduler and detokenizer talk over the
+        same socket names as a single engine does, and its messages to the API server arrive on that
+        directory's own `main` socket, which is how the server knows which replica sent them."""
+        path = os.path.join(self.directory, f"r{index}")
+        os.makedirs(path, exist_ok=True)
+        return IpcPaths(path)
+
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
 

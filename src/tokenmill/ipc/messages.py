@@ -148,6 +148,9 @@ class SchedulerStats(msgspec.Struct, tag=True):
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
     spec_decode_num_emitted_tokens_total: int = 0
+    # Tokens (prompt + output so far) of every unfinished request, waiting or running: the load the
+    # data-parallel controller's least_tokens policy compares (SGLang's total_tokens).
+    num_tokens: int = 0
 
 
 ToScheduler = AddRequest | AbortRequest | FinishRequest

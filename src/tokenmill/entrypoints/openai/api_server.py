@@ -26,7 +26,7 @@ import zmq.asyncio
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import DataParallelConfig, EngineConfig
 from tokenmill.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from tokenmill.entrypoints.openai.errors import error_response, install_handlers
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
@@ -38,11 +38,13 @@ from tokenmill.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenmill.entrypoints.openai.replica_header import ReplicaHeaderMiddleware
 from tokenmill.entrypoints.openai.request_log import RequestLogMiddleware
 from tokenmill.entrypoints.openai.serving_chat import ChatServing
 from tokenmill.entrypoints.openai.serving_common import check_model, now_s
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
 from tokenmill.entrypoints.openai.serving_tokenize import TokenizeServing
+from tokenmill.frontend.dp_router import DataParallelRouter
 from tokenmill.frontend.reasoning_parser import ReasoningParser, get_reasoning_parser
 from tokenmill.frontend.request_timelines import MAX_FINISHED
 from tokenmill.frontend.tokenizer_manager import RequestError, ServerStatus, TokenizerManager
@@ -71,6 +73,8 @@ class ServerConfig:
     max_queued_requests: int | None = None  # None: sized from the KV pool (TokenizerManager.queued_bound)
     reasoning_parser: str | None = None  # --reasoning-parser: a name in frontend/reasoning_parser.py
     tool_call_parser: str | None = None  # --tool-call-parser: a name in frontend/tool_parsers.py
+    # --data-parallel-size / --load-balance-method: replicas behind a router (frontend/dp_router.py)
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
 
 
 class ServerState:
@@ -81,6 +85,7 @@ class ServerState:
     chat: ChatServing
     completion: CompletionServing
     tokens: TokenizeServing
+    replicas: DataParallelRouter | None = None  # with --data-parallel-size > 1
 
     def attach(self, manager: TokenizerManager, metrics: ServerMetrics,
                reasoning_parser: ReasoningParser | None = None, tool_parser: ToolParser | None = None) -> None:
@@ -103,12 +108,20 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         paths = IpcPaths.create()
         ctx = zmq.asyncio.Context()
-        metrics = ServerMetrics(lambda: server.manager.stats, lambda: server.manager.num_queued)
-        manager = TokenizerManager(ctx, paths, config.model_path, metrics, config.max_queued_requests)
+        dp = config.data_parallel
+        router = server.replicas = DataParallelRouter(
+            ctx, paths, dp.size, dp.load_balance_method, config.engine.page_size) if dp.size > 1 else None
+        metrics = ServerMetrics(lambda: server.manager.stats, lambda: server.manager.num_queued,
+                                router.replica_stats if router else None)
+        manager = TokenizerManager(ctx, paths, config.model_path, metrics, config.max_queued_requests,
+                                   (router, router) if router else None)
         server.attach(manager, metrics, reasoning_parser, tool_parser)
-        children = ChildProcesses(paths, config.engine, config.served_model_name, config.log_level)
+        children = ChildProcesses(paths, config.engine, config.served_model_name, config.log_level, dp)
         children.start()
-        watch = asyncio.create_task(children.watch(server.manager.on_process_exit))
+        on_exit = server.manager.on_process_exit
+        if router is not None:  # a replica's death is the router's business until none is left
+            router.on_all_dead, on_exit = on_exit, router.on_process_exit
+        watch = asyncio.create_task(children.watch(on_exit))
         startup = asyncio.create_task(_startup(server.manager, config, on_fatal))
         try:
             yield
@@ -117,6 +130,8 @@ def build_app(
             watch.cancel()
             await asyncio.gather(startup, watch, return_exceptions=True)
             await server.manager.shutdown()
+            if router is not None:
+                await router.close()
             await asyncio.to_thread(children.terminate)
             ctx.destroy(linger=0)
             paths.remove()
@@ -129,6 +144,8 @@ def build_app(
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest])
     # Outermost last: the log sees every response, the 413s included.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.data_parallel.size > 1:
+        app.add_middleware(ReplicaHeaderMiddleware)
     app.add_middleware(RequestLogMiddleware)
 
     async def check_api_key(request: Request) -> None:
@@ -148,7 +165,12 @@ def build_app(
         if manager.draining:
             return error_response("the server is shutting down", 503)
         if await manager.health():
-            return Response(status_code=200)
+            if server.replicas is None:
+                return Response(status_code=200)
+            # Degraded, not down: requests still succeed while one replica serves.
+            live, total = server.replicas.num_live, server.replicas.size
+            return JSONResponse({"status": "ok" if live == total else "degraded",
+                                 "replicas_live": live, "replicas_total": total})
         reason = {
             ServerStatus.STARTING: "the server is starting",
             ServerStatus.UNHEALTHY: f"the server is unhealthy: {manager.unhealthy_reason}",
@@ -179,6 +201,8 @@ def build_app(
         if found is None:
             raise RequestError(f"no request {request_id!r} is running or among the last {MAX_FINISHED} finished",
                                404, "request_id", "request_not_found")
+        if server.replicas is not None:
+            found = [{**seq, "replica": server.replicas.replica_of(seq["id"])} for seq in found]
         return JSONResponse({"id": request_id, "sequences": found})
 
     @app.get("/metrics", dependencies=auth)

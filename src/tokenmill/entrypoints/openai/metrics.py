@@ -1,8 +1,9 @@
 """GET /metrics: Prometheus metrics, vLLM-style names under the `tokenmill:` prefix.
 
 Engine state (running, waiting, KV use, token totals) is the scheduler's own count, reported in its
-SchedulerStats; latencies are measured here, where the client's clock is: TTFT, inter-token latency
-and end-to-end from the moment the HTTP request arrived; queue time is the scheduler's duration.
+SchedulerStats (with data parallelism: one series per replica, labelled `replica`); latencies are
+measured here, where the client's clock is: TTFT, inter-token latency and end-to-end from the moment
+the HTTP request arrived; queue time is the scheduler's duration.
 """
 
 from __future__ import annotations
@@ -21,13 +22,18 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
+# Data parallelism: (replica index, alive, its last stats) for each replica (frontend/dp_router.py).
+ReplicaStats = Callable[[], list[tuple[int, bool, SchedulerStats | None]]]
+
+
 prometheus_client.disable_created_metrics()  # the `_created` series double every metric for no use here
 
 
 class ServerMetrics:
     """One registry per server (not the global one), so several apps can live in one process."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats | None], queued: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, stats: Callable[[], SchedulerStats | None], queued: Callable[[], int] = lambda: 0,
+                 replicas: ReplicaStats | None = None) -> None:
         self.registry = CollectorRegistry()
         self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -45,7 +51,7 @@ class ServerMetrics:
                             "Sequences sent to the scheduler with no output yet (what --max-queued-requests bounds)",
                             registry=self.registry)
         self.queued.set_function(queued)
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, replicas))
 
     # MetricsSink (frontend/tokenizer_manager.py)
     def observe_queue_time(self, seconds: float) -> None:
@@ -69,44 +75,72 @@ class ServerMetrics:
         return prometheus_client.generate_latest(self.registry)
 
 
+def _kv_usage(s: SchedulerStats) -> float:
+    return s.kv_pages_in_use / s.kv_pages_total if s.kv_pages_total else 0.0
+
+
+def _acceptance_rate(s: SchedulerStats) -> float:
+    drafted = s.spec_decode_num_draft_tokens_total
+    return s.spec_decode_num_accepted_tokens_total / drafted if drafted else 0.0
+
+
+def _mean_accepted_length(s: SchedulerStats) -> float:
+    rows = s.spec_decode_num_drafts_total
+    return 1 + s.spec_decode_num_accepted_tokens_total / rows if rows else 0.0
+
+
+_G, _C = GaugeMetricFamily, CounterMetricFamily
+# (family type, name, help, value): the engine's own numbers, from its SchedulerStats. Speculative
+# decoding uses vLLM's spec_decode_* names; the rate and the mean length are derived, as gauges.
+_ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[SchedulerStats], float]], ...] = (
+    (_G, "tokenmill:num_requests_running", "Requests in the running batch", lambda s: s.num_requests_running),
+    (_G, "tokenmill:num_requests_waiting", "Requests waiting to be scheduled", lambda s: s.num_requests_waiting),
+    (_G, "tokenmill:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full)", _kv_usage),
+    (_C, "tokenmill:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+     lambda s: s.prefix_cache_hit_tokens_total),
+    (_C, "tokenmill:prompt_tokens", "Prompt tokens admitted", lambda s: s.prompt_tokens_total),
+    (_C, "tokenmill:generation_tokens", "Tokens generated", lambda s: s.generation_tokens_total),
+    (_C, "tokenmill:num_preemptions", "Requests preempted", lambda s: s.num_preemptions),
+    (_C, "tokenmill:spec_decode_num_drafts", "Verified rows that carried draft tokens",
+     lambda s: s.spec_decode_num_drafts_total),
+    (_C, "tokenmill:spec_decode_num_draft_tokens", "Draft tokens verified",
+     lambda s: s.spec_decode_num_draft_tokens_total),
+    (_C, "tokenmill:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target",
+     lambda s: s.spec_decode_num_accepted_tokens_total),
+    (_C, "tokenmill:spec_decode_num_emitted_tokens", "Tokens emitted by rows with drafts",
+     lambda s: s.spec_decode_num_emitted_tokens_total),
+    (_G, "tokenmill:spec_decode_acceptance_rate", "Accepted / verified draft tokens", _acceptance_rate),
+    (_G, "tokenmill:spec_decode_mean_accepted_length", "Tokens per verified row with drafts (accepted + 1)",
+     _mean_accepted_length),
+)
+
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], SchedulerStats | None], queued: Callable[[], int] = lambda: 0) -> None:
+    """One engine: unlabelled series. Data-parallel replicas: every series once per replica with a
+    `replica` label (sum them for the server), plus tokenmill:replica_up (1 alive, 0 dead)."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats | None], replicas: ReplicaStats | None = None) -> None:
         self._stats = stats
+        self._replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
+        if self._replicas is not None:
+            yield from self._collect_replicas(self._replicas())
+            return
         s = self._stats()
         if s is None:
             return
-        yield GaugeMetricFamily("tokenmill:num_requests_running", "Requests in the running batch",
-                                value=s.num_requests_running)
-        yield GaugeMetricFamily("tokenmill:num_requests_waiting", "Requests waiting to be scheduled",
-                                value=s.num_requests_waiting)
-        usage = s.kv_pages_in_use / s.kv_pages_total if s.kv_pages_total else 0.0
-        yield GaugeMetricFamily("tokenmill:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full)",
-                                value=usage)
-        yield CounterMetricFamily("tokenmill:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                  value=s.prefix_cache_hit_tokens_total)
-        yield CounterMetricFamily("tokenmill:prompt_tokens", "Prompt tokens admitted", value=s.prompt_tokens_total)
-        yield CounterMetricFamily("tokenmill:generation_tokens", "Tokens generated",
-                                  value=s.generation_tokens_total)
-        yield CounterMetricFamily("tokenmill:num_preemptions", "Requests preempted", value=s.num_preemptions)
-        yield from _spec_decode_metrics(s)
+        for family, name, doc, value in _ENGINE_METRICS:
+            yield family(name, doc, value=value(s))
 
-
-def _spec_decode_metrics(s: SchedulerStats) -> Iterator[Metric]:
-    """vLLM's spec_decode_* names; the rate and the mean length are derived, as gauges."""
-    yield CounterMetricFamily("tokenmill:spec_decode_num_drafts", "Verified rows that carried draft tokens",
-                              value=s.spec_decode_num_drafts_total)
-    yield CounterMetricFamily("tokenmill:spec_decode_num_draft_tokens", "Draft tokens verified",
-                              value=s.spec_decode_num_draft_tokens_total)
-    yield CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target",
-                              value=s.spec_decode_num_accepted_tokens_total)
-    yield CounterMetricFamily("tokenmill:spec_decode_num_emitted_tokens", "Tokens emitted by rows with drafts",
-                              value=s.spec_decode_num_emitted_tokens_total)
-    drafted = s.spec_decode_num_draft_tokens_total
-    yield GaugeMetricFamily("tokenmill:spec_decode_acceptance_rate", "Accepted / verified draft tokens",
-                            value=s.spec_decode_num_accepted_tokens_total / drafted if drafted else 0.0)
-    rows = s.spec_decode_num_drafts_total
-    yield GaugeMetricFamily("tokenmill:spec_decode_mean_accepted_length",
-                            "Tokens per verified row with drafts (accepted + 1)",
-                            value=1 + s.spec_decode_num_accepted_tokens_total / rows if rows else 0.0)
+    def _collect_replicas(self, replicas: list[tuple[int, bool, SchedulerStats | None]]) -> Iterator[Metric]:
+        up = GaugeMetricFamily("tokenmill:replica_up", "Data-parallel replica alive (1) or dead (0)",
+                               labels=["replica"])
+        for index, live, _ in replicas:
+            up.add_metric([str(index)], 1.0 if live else 0.0)
+        yield up
+        for family, name, doc, value in _ENGINE_METRICS:
+            metric = family(name, doc, labels=["replica"])
+            for index, _, s in replicas:
+                if s is not None:
+                    metric.add_metric([str(index)], value(s))
+            yield metric

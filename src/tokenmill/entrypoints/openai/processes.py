@@ -1,4 +1,5 @@
-"""Start, watch and stop the server's child processes (scheduler, detokenizer).
+"""Start, watch and stop the server's child processes (scheduler, detokenizer; one pair per
+data-parallel replica, each pair in its own IPC directory and named `scheduler-i` / `detokenizer-i`).
 
 Children are plain `python -m` subprocesses, not multiprocessing: their command line says what they
 are, their arguments are JSON (nothing pickled), and no resource-tracker process tags along.
@@ -15,7 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import DataParallelConfig, EngineConfig
 from tokenmill.ipc.channels import IpcPaths
 
 logger = logging.getLogger(__name__)
@@ -25,23 +26,25 @@ TERMINATE_TIMEOUT_S = 10.0
 
 
 class ChildProcesses:
-    def __init__(self, paths: IpcPaths, config: EngineConfig, served_model_name: str | None, log_level: str) -> None:
+    def __init__(self, paths: IpcPaths, config: EngineConfig, served_model_name: str | None, log_level: str,
+                 data_parallel: DataParallelConfig | None = None) -> None:
         self.paths = paths
         self.config = config
+        self.data_parallel = data_parallel or DataParallelConfig()
         self.served_model_name = served_model_name
         self.log_level = log_level
         self.procs: dict[str, subprocess.Popen] = {}
         self._reported: set[str] = set()
 
     def start(self) -> None:
-        common = ["--ipc-dir", self.paths.directory, "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
-        scheduler = [sys.executable, "-m", "tokenmill.engine.scheduler_process", *common,
-                     "--config", json.dumps(dataclasses.asdict(self.config))]
-        if self.served_model_name:
-            scheduler += ["--served-model-name", self.served_model_name]
-        detokenizer = [sys.executable, "-m", "tokenmill.frontend.detokenizer_process", *common]
-        if self.config.model:
-            detokenizer += ["--model", self.config.model]
+        dp = self.data_parallel
+        if dp.size == 1:
+            commands = self._pair(self.paths, self.config, None)
+        else:
+            # Replicas share the machine's cores: each gets its share of the threads, so N engines
+            # never oversubscribe what one engine would have used.
+            config = dataclasses.replace(self.config, num_threads=dp.replica_threads(self.config.threads))
+            commands = [cmd for i in range(dp.size) for cmd in self._pair(self.paths.replica(i), config, i)]
         env = dict(os.environ)
         # OpenMP threads wait between parallel regions; how long they spin before sleeping decides
         # both the idle and the shared case. Spinning forever (libgomp's default) steals the core a
@@ -53,9 +56,24 @@ class ChildProcesses:
         # default 25.2, spin 20000: 113).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.setdefault("GOMP_SPINCOUNT", "1000")
-        for name, cmd in (("scheduler", scheduler), ("detokenizer", detokenizer)):
+        for name, cmd in commands:
             self.procs[name] = subprocess.Popen(cmd, env=env)
             logger.info("started the %s process (pid %d)", name, self.procs[name].pid)
+
+    def _pair(self, paths: IpcPaths, config: EngineConfig, replica: int | None) -> list[tuple[str, list[str]]]:
+        """The scheduler and detokenizer commands of one engine (replica None: the only one)."""
+        common = ["--ipc-dir", paths.directory, "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
+        scheduler = [sys.executable, "-m", "tokenmill.engine.scheduler_process", *common,
+                     "--config", json.dumps(dataclasses.asdict(config))]
+        if self.served_model_name:
+            scheduler += ["--served-model-name", self.served_model_name]
+        detokenizer = [sys.executable, "-m", "tokenmill.frontend.detokenizer_process", *common]
+        if config.model:
+            detokenizer += ["--model", config.model]
+        if replica is None:
+            return [("scheduler", scheduler), ("detokenizer", detokenizer)]
+        return [(f"scheduler-{replica}", [*scheduler, "--replica", str(replica)]),
+                (f"detokenizer-{replica}", detokenizer)]
 
     async def watch(self, on_exit: Callable[[str, int], None]) -> None:
         """Calls on_exit(name, returncode) once for each child that exits."""
