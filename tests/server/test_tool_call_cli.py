@@ -24,8 +24,8 @@ def test_an_unknown_parser_is_a_start_up_error_naming_the_known_ones(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["serve", "--tool-call-parser", "qwen"])
     assert exc.value.code == 2
-    assert "unknown tool call parser 'qwen'; known: hermes, llama3_json, mistral" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="known: hermes, llama3_json, mistral"):
+    assert "unknown tool call parser 'qwen'; known: glm45, hermes, llama3_json, mistral" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="known: glm45, hermes, llama3_json, mistral"):
         build_app(ServerConfig(tool_call_parser="qwen"))
 
 

@@ -20,6 +20,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenmill.errors import InvalidRequest
+from tokenmill.frontend.tool_messages import shape_tool_fields
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +105,10 @@ def _normalize_messages(messages: Any, as_parts: bool) -> list[dict[str, Any]]:
                     f"messages[{i}].content {state}: a {role} message needs text content "
                     "(only an assistant message with tool_calls may leave it out)", param="messages",
                 )
-            message["content"] = None
+            # Empty text, as vLLM renders it: templates that concatenate content (SmolLM2's) would fail on None.
+            message["content"] = [] if as_parts else ""
         message["content"] = _content(message["content"], i, as_parts)
+        shape_tool_fields(message, i)
         out.append(message)
     return out
 

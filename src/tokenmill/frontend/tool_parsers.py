@@ -14,6 +14,10 @@ answer is the same state fed all at once, so both modes agree.
 - `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` to the end of the reply; a reply
   that opens with the bare `[` is read the same way (`[TOOL_CALLS]` is a control token the
   detokenizer drops when skipping special tokens).
+- `glm45` (GLM-4.5/4.6, vLLM's name): `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>
+  ...</tool_call>`, any number of them. The template writes string values raw and others as JSON, so
+  a value is read as JSON unless the tool's schema says the argument is a string (vLLM's rule) or
+  it does not parse; then it is the string as written.
 
 `ForcedCallState` reads the output of tool_choice "required" or a named function, which a grammar
 built from the tools' schemas (entrypoints/openai/params.py) made a call whatever the parser.
@@ -28,11 +32,16 @@ has no content.
 from __future__ import annotations
 
 import json
+import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 # The same hold-back as the reasoning markers' (a cut marker waits for the next delta).
 from tokenmill.frontend.reasoning_parser import _held_suffix
+
+Tools = list[dict[str, Any]] | None  # the request's tools (OpenAI's shape, checked by params.check_tools)
 
 
 @dataclass(frozen=True)
@@ -43,24 +52,11 @@ class ToolParser:
     start: str  # the marker that opens a call
     end: str | None  # the marker that closes it; None: the call runs to the end of the output
     bare_start: str | None = None  # a reply opening with this (after whitespace) is a call without `start`
+    # The calls in the text between the markers, or None when it is not a call (then it stays text).
+    read: Callable[[str, Tools], list[ToolCall] | None] = lambda body, tools: parse_calls(body)
 
-    def new_state(self) -> ToolCallState:
-        return ToolCallState(self)
-
-
-TOOL_PARSERS: dict[str, ToolParser] = {
-    "hermes": ToolParser("hermes", "<tool_call>", "</tool_call>"),
-    "llama3_json": ToolParser("llama3_json", "<|python_tag|>", None, bare_start="{"),
-    "mistral": ToolParser("mistral", "[TOOL_CALLS]", None, bare_start="["),
-}
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        known = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"unknown tool call parser {name!r}; known: {known}") from None
+    def new_state(self, tools: Tools = None) -> ToolCallState:
+        return ToolCallState(self, tools)
 
 
 @dataclass(frozen=True)
@@ -117,11 +113,73 @@ def _call_of(item: object) -> ToolCall | None:
     return ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
 
 
+# GLM-4.5's template puts a newline between the name and the first key and between key and value;
+# models also write a literal backslash-n there at times (vLLM accepts both).
+_GLM_GAP = r"(?:\\n|\s)*"
+_GLM_ARG = re.compile(rf"{_GLM_GAP}<arg_key>(.*?)</arg_key>{_GLM_GAP}<arg_value>(.*?)</arg_value>", re.DOTALL)
+_GLM_NAME = re.compile(r"[^\s<>{}\[\]\"',]+")  # a function name, not a fragment of JSON or markup
+
+
+def read_glm45(body: str, tools: Tools) -> list[ToolCall] | None:
+    """One `NAME<arg_key>K</arg_key><arg_value>V</arg_value>...` call; anything else in it: not a call."""
+    head = body.split("<arg_key>", 1)[0]
+    name = head.strip()
+    if not _GLM_NAME.fullmatch(name):
+        return None
+    strings = _string_arguments(name, tools)
+    args: dict[str, Any] = {}
+    at = len(head)
+    while match := _GLM_ARG.match(body, at):
+        key, value = match.group(1).strip(), match.group(2).strip()
+        if not key:
+            return None
+        args[key] = value if key in strings else _json_or_text(value)
+        at = match.end()
+    if body[at:].strip():  # an unclosed pair, or text between the pairs
+        return None
+    return [ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))]
+
+
+def _string_arguments(name: str, tools: Tools) -> set[str]:
+    """The arguments of tool `name` its schema types as strings: their values stay text even when they
+    look like JSON ("42", "true")."""
+    for tool in tools or []:
+        function = tool.get("function") or {}
+        if function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties") or {}
+            return {k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string"}
+    return set()
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+TOOL_PARSERS: dict[str, ToolParser] = {
+    "hermes": ToolParser("hermes", "<tool_call>", "</tool_call>"),
+    "llama3_json": ToolParser("llama3_json", "<|python_tag|>", None, bare_start="{"),
+    "mistral": ToolParser("mistral", "[TOOL_CALLS]", None, bare_start="["),
+    "glm45": ToolParser("glm45", "<tool_call>", "</tool_call>", read=read_glm45),
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        known = ", ".join(sorted(TOOL_PARSERS))
+        raise ValueError(f"unknown tool call parser {name!r}; known: {known}") from None
+
+
 class ToolCallState:
     """One sequence's split; feed() every delta in order, then finish() once."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, tools: Tools = None) -> None:
         self.parser = parser
+        self.tools = tools
         self.num_calls = 0
         self._held = ""  # outside a call: text that may be a cut start marker
         self._opener: str | None = None  # inside a call: the text that opened it (a marker or "")
@@ -194,7 +252,7 @@ class ToolCallState:
     def _close(self, body: str, content: list[str], calls: list[ToolCall], closer: str = "") -> None:
         opener = self._opener or ""
         self._opener, self._body = None, ""
-        parsed = parse_calls(body)
+        parsed = self.parser.read(body, self.tools)
         if parsed is None:
             self._pending_ws += self._ws_before
             self._content(opener + body + closer, content)  # not a call: the model's text as it wrote it
