@@ -226,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reasoning-parser", type=_reasoning_parser_name, default=None, metavar="NAME",
                    help="split <think>...</think> into reasoning_content: deepseek_r1 or qwen3 (default: none)")
     p.add_argument("--tool-call-parser", type=_tool_call_parser_name, default=None, metavar="NAME",
-                   help="read the model's tool calls into message.tool_calls: hermes, llama3_json or mistral "
-                        "(default: none; pair it with the model's chat template)")
+                   help="read the model's tool calls into message.tool_calls: hermes, llama3_json, mistral "
+                        "or glm45 (default: the one the chat template writes, if recognised, else none; "
+                        "a parser that does not match the template is logged as a warning)")
     p.add_argument("--max-queued-requests", type=_positive_int, default=None,
                    help="requests admitted but not yet producing output beyond this get 503 + Retry-After "
                         "(default: the KV pool's tokens / 64, at least 256)")

@@ -122,7 +122,7 @@ def build_app(
         if router is not None:  # a replica's death is the router's business until none is left
             router.on_all_dead, on_exit = on_exit, router.on_process_exit
         watch = asyncio.create_task(children.watch(on_exit))
-        startup = asyncio.create_task(_startup(server.manager, config, on_fatal))
+        startup = asyncio.create_task(_startup(server.manager, config, on_fatal, server.chat.choose_tool_parser))
         try:
             yield
         finally:
@@ -228,9 +228,11 @@ def build_app(
     return app
 
 
-async def _startup(manager: TokenizerManager, config: ServerConfig, on_fatal: Callable[[], None]) -> None:
+async def _startup(manager: TokenizerManager, config: ServerConfig, on_fatal: Callable[[], None],
+                   on_ready: Callable[[], None] = lambda: None) -> None:
     if await manager.start():
         assert manager.limits is not None
+        on_ready()  # e.g. the tool-call parser read from the chat template, logged once
         print(f"tokenmill: serving {manager.limits.model_name} on http://{config.host}:{config.port}",
               file=sys.stderr, flush=True)
         return

@@ -46,6 +46,7 @@ from tokenmill.entrypoints.openai.serving_common import (
 )
 from tokenmill.frontend.reasoning_parser import ReasoningDelta, ReasoningParser, ReasoningState
 from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
+from tokenmill.frontend.tool_parser_choice import choose_tool_parser, log_choice
 from tokenmill.frontend.tool_parsers import CallReader, ForcedCallState, ToolCall, ToolParser
 from tokenmill.ipc.messages import TextOutput
 
@@ -57,6 +58,15 @@ class ChatServing(ServingBase):
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser
         self._end_ids: list[int] | None = None
+
+    def choose_tool_parser(self) -> None:
+        """Once the tokenizer is loaded (start-up): the --tool-call-parser one, else the one the chat
+        template writes (frontend/tool_parser_choice.py); logged, with a warning if they disagree."""
+        assert self.manager.tokenizer is not None
+        flag = self.tool_parser.name if self.tool_parser is not None else None
+        choice = choose_tool_parser(flag, self.manager.tokenizer.chat_template)
+        log_choice(choice)
+        self.tool_parser = choice.parser
 
     def _reasoning_states(self, n: int) -> list[ReasoningState] | None:
         if self.reasoning_parser is None:
@@ -73,7 +83,7 @@ class ChatServing(ServingBase):
             return [ForcedCallState(name) for _ in range(n)]
         if self.tool_parser is None or not req.tools or choice == "none":
             return None
-        return [self.tool_parser.new_state() for _ in range(n)]
+        return [self.tool_parser.new_state(req.tools) for _ in range(n)]
 
     async def create(self, raw: Request) -> Response:
         arrival = time.monotonic()

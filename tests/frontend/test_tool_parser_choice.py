@@ -1,0 +1,90 @@
+"""The tool-call parser read from the chat template (frontend/tool_parser_choice.py), on crafted
+templates in each family's markup, and the warning when the flag contradicts the template."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from tests.server.fake_server import FakeManager, bundled_tokenizer
+from tokenmill.entrypoints.openai.serving_chat import ChatServing
+from tokenmill.frontend.chat_template import render_chat_template
+from tokenmill.frontend.tokenizer import Tokenizer
+from tokenmill.frontend.tool_parser_choice import choose_tool_parser, detect_tool_format
+from tokenmill.frontend.tool_parsers import TOOL_PARSERS, get_tool_parser
+
+# Excerpts in the shape of each family's real template (what the detection keys on).
+HERMES = ("{% if tools %}You may call functions. For each call return a json object within <tool_call></tool_call>"
+          ' tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>{% endif %}')
+GLM45 = ("{% for m in messages %}{% if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>{{ tc.function.name }}\n"
+         "{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>\n<arg_value>"
+         "{{ v | tojson if v is not string else v }}</arg_value>\n{% endfor %}</tool_call>{% endfor %}"
+         "{% else %}{{ m.content }}{% endif %}{% endfor %}")
+MISTRAL = "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]"
+LLAMA31 = "{% if builtin_tools %}<|python_tag|>{% endif %}<|start_header_id|>ipython<|end_header_id|>"
+LLAMA32 = ('Respond with a JSON for a function call in the format {"name": function name, "parameters": '
+           "dictionary of argument name and its value}.{% if m.role == 'ipython' %}{% endif %}")
+QWEN3_CODER = "<tool_call>\n<function={{ tc.name }}>\n<parameter={{ k }}>\n{{ v }}\n</parameter>\n</function>"
+
+
+@pytest.mark.parametrize(("template", "name"), [
+    (HERMES, "hermes"), (GLM45, "glm45"), (MISTRAL, "mistral"), (LLAMA31, "llama3_json"), (LLAMA32, "llama3_json"),
+    (QWEN3_CODER, None), ("{{ messages[0].content }}", None), (None, None), ("", None),
+])
+def test_detect_tool_format(template, name):
+    assert detect_tool_format(template) == name
+
+
+def test_the_bundled_smollm2_template_gets_no_parser():
+    # It renders no tools at all: the model never saw the tools, so nothing of its text is read as a call.
+    template = bundled_tokenizer().chat_template
+    assert template and "tools" not in template
+    choice = choose_tool_parser(None, template)
+    assert choice.parser is None and "not parsed" in choice.message and not choice.mismatch
+
+
+def test_default_flag_match_and_mismatch():
+    choice = choose_tool_parser(None, GLM45)
+    assert choice.parser is TOOL_PARSERS["glm45"] and "read from the chat template" in choice.message
+    choice = choose_tool_parser("glm45", GLM45)
+    assert choice.parser is TOOL_PARSERS["glm45"] and not choice.mismatch
+    choice = choose_tool_parser("hermes", GLM45)  # the flag wins, with a warning naming both
+    assert choice.parser is TOOL_PARSERS["hermes"] and choice.mismatch
+    assert "--tool-call-parser hermes" in choice.message and "glm45" in choice.message
+    choice = choose_tool_parser("mistral", "{{ messages[0].content }}")  # nothing to contradict
+    assert choice.parser is TOOL_PARSERS["mistral"] and not choice.mismatch
+
+
+def serving(template: str, flag: str | None) -> ChatServing:
+    tokenizer = Tokenizer(bundled_tokenizer().backend, chat_template=template)
+    return ChatServing(FakeManager(tokenizer), tool_parser=get_tool_parser(flag) if flag else None)  # type: ignore[arg-type]
+
+
+def test_chat_handler_picks_the_parser_at_start_up(caplog):
+    caplog.set_level(logging.INFO, logger="tokenmill.frontend.tool_parser_choice")
+    chat = serving(HERMES, None)
+    assert chat.tool_parser is None  # nothing is chosen before the tokenizer is loaded
+    chat.choose_tool_parser()
+    assert chat.tool_parser is TOOL_PARSERS["hermes"]
+    assert any(r.levelno == logging.INFO and "parser hermes (read from the chat template" in r.message
+               for r in caplog.records)
+    caplog.clear()
+    chat = serving(MISTRAL, "hermes")
+    chat.choose_tool_parser()
+    assert chat.tool_parser is TOOL_PARSERS["hermes"]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "writes mistral-style calls" in caplog.records[0].message
+
+
+def test_glm45_template_and_parser_are_a_pair():
+    # A past call as the template renders it reads back as the same call: arguments reach the template
+    # as an object (frontend/tool_messages.py), typed values as JSON, strings raw.
+    args = {"city": "Paris", "days": 3, "hourly": False, "zip": "75001"}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}
+    text = render_chat_template(GLM45, [{"role": "assistant", "content": None, "tool_calls": [call]}])
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"zip": {"type": "string"}}}}}
+    found = get_tool_parser("glm45").new_state([tool]).feed(text)
+    assert found.content == "" and [(c.name, json.loads(c.arguments)) for c in found.calls] == [("get_weather", args)]
