@@ -171,6 +171,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         config = dataclasses.replace(config, data_parallel=DataParallelConfig(
             args.data_parallel_size, args.load_balance_method))
+    if args.tokenizer_workers:
+        config = dataclasses.replace(config, tokenizer_workers=args.tokenizer_workers)
     try:
         return run_server(config)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
@@ -200,6 +202,12 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def _positive_int(text: str) -> int:
@@ -232,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-queued-requests", type=_positive_int, default=None,
                    help="requests admitted but not yet producing output beyond this get 503 + Retry-After "
                         "(default: the KV pool's tokens / 64, at least 256)")
+    p.add_argument("--tokenizer-workers", type=_non_negative_int, default=0, metavar="N",
+                   help="render chat templates and tokenize in N worker processes, so a huge prompt cannot "
+                        "stall other streams (SGLang's --tokenizer-worker-num; default 0: a thread)")
     p.add_argument("--shutdown-timeout", type=_non_negative_float, default=None,
                    help="on SIGTERM, seconds the running requests get to finish while new ones get 503; "
                         "the rest then end with finish_reason 'abort' (default: 20)")
@@ -276,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.entrypoints.bench_soak import add_soak_parser
 
     add_soak_parser(bench)
+    from tokenmill.entrypoints.bench_tokenizer_stall import add_tokenizer_stall_parser
+
+    add_tokenizer_stall_parser(bench)
     from tokenmill.entrypoints.bench_report import add_report_parser
 
     add_report_parser(bench)

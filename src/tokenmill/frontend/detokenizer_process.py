@@ -4,6 +4,12 @@ One RequestOutputState per request (the same class the offline API uses), in DEL
 string matches, the request's text ends here at once and a FinishRequest goes back to the scheduler,
 which frees the KV within a step or two (tokens it produced meanwhile are dropped by the state).
 
+The state table is bounded (MAX_STATES, SGLang's DETOKENIZER_MAX_STATES) but never evicts: losing a
+live request's state loses its output (seed 001's failure). The API server's admission keeps live
+requests below the bound (frontend/live_bound.py, checked at start-up); should a new request still
+find the table full (aborted requests whose end has not reached here yet), that request is refused
+with a 503 and every request already here keeps its state.
+
 Run as `python -m tokenmill.frontend.detokenizer_process --ipc-dir D [--model PATH]`.
 """
 
@@ -26,6 +32,7 @@ from tokenmill.ipc.messages import (
     FinishRequest,
     Logprob,
     ProcessFailed,
+    RequestFailed,
     TextBatch,
     TextOutput,
     ToDetokenizer,
@@ -36,6 +43,8 @@ from tokenmill.ipc.messages import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
+# Requests the table holds at most; the API server's admission bound must stay at or below it.
+MAX_STATES = 65536
 
 
 class _Seq:
@@ -50,13 +59,22 @@ class _Seq:
 class Detokenizer:
     """Pure message handling (no sockets), so tests can drive it directly."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_states: int = MAX_STATES) -> None:
         self.tokenizer = tokenizer
+        self.max_states = max_states
         self.seqs: dict[str, _Seq] = {}
+        self.refused: list[RequestFailed] = []  # for the API server; run() sends and clears them
 
     def handle(self, message: ToDetokenizer) -> tuple[list[TextOutput], list[ToScheduler]]:
         """Text for the API server, and stop / abort orders for the scheduler."""
         if isinstance(message, DetokenizeRequest):
+            if len(self.seqs) >= self.max_states:  # refuse the newcomer; never evict a live request
+                logger.warning("detokenizer table full (%d requests): refusing %s", self.max_states,
+                               message.request_id)
+                self.refused.append(RequestFailed(
+                    message.request_id, f"the server is overloaded: {self.max_states} requests are in flight; "
+                    "retry later", 503))
+                return [], [AbortRequest(message.request_id)]
             state = RequestOutputState(message.request_id, self.tokenizer, message.prompt_token_ids, message.params)
             self.seqs[message.request_id] = _Seq(state)
             return [], []
@@ -102,8 +120,9 @@ class Detokenizer:
             orders.append(FinishRequest(out.request_id, reason))
 
 
-def run(tokenizer: Tokenizer, inbox: Receiver, to_main: Sender, to_scheduler: Sender) -> None:
-    detok = Detokenizer(tokenizer)
+def run(tokenizer: Tokenizer, inbox: Receiver, to_main: Sender, to_scheduler: Sender,
+        max_states: int = MAX_STATES) -> None:
+    detok = Detokenizer(tokenizer, max_states)
     while True:
         if not inbox.poll(IDLE_POLL_MS):
             if not parent_alive():
@@ -118,6 +137,9 @@ def run(tokenizer: Tokenizer, inbox: Receiver, to_main: Sender, to_scheduler: Se
                 to_scheduler.send(order)
         if texts:
             to_main.send(TextBatch(texts))
+        for refusal in detok.refused:
+            to_main.send(refusal)
+        detok.refused.clear()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--parent-pid", type=int, default=None)
+    parser.add_argument("--max-states", type=int, default=MAX_STATES, help="requests in flight at most")
     args = parser.parse_args(argv)
     child_process_setup("detokenizer", args.log_level, args.parent_pid)
     paths = IpcPaths(args.ipc_dir)
@@ -144,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.5)  # LINGER is 0: give the message a moment to leave
         return 1
     try:
-        run(tokenizer, inbox, to_main, to_scheduler)
+        run(tokenizer, inbox, to_main, to_scheduler, args.max_states)
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:

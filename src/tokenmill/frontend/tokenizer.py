@@ -16,6 +16,7 @@ from typing import Any
 import tokenizers
 
 from tokenmill.frontend.chat_template import render_chat_template
+from tokenmill.frontend.length_bound import max_chars_per_token, min_token_count
 from tokenmill.model.tokenizer_files import TokenizerFiles, load_tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class Tokenizer:
         if eos_token is None and self._eos_token_ids:
             eos_token = backend.id_to_token(min(self._eos_token_ids))
         self._eos_token = eos_token  # what templates see as eos_token: the model's main one
+        # The most characters one token covers (length_bound.py): a length check without tokenizing.
+        self._max_chars_per_token = max_chars_per_token(backend)
 
     @classmethod
     def from_model_path(cls, path: str) -> Tokenizer:
@@ -64,6 +67,10 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def min_token_count(self, text: str) -> int:
+        """At most len(encode(text)), in O(1): 0 for a tokenizer without a provable bound."""
+        return min_token_count(text, self._max_chars_per_token)
 
     # --- model facts ----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import msgspec
 import zmq.asyncio
 
 from tokenmill.errors import InvalidRequest
+from tokenmill.frontend.live_bound import check_live
 from tokenmill.frontend.output_merge import merge_pending
 from tokenmill.frontend.request_timelines import TimelineRing, frontend_view
 from tokenmill.frontend.tokenizer import Tokenizer
@@ -131,6 +132,8 @@ class TokenizerManager:
         self._shutting_down = False
         self.draining = False  # set by drain(): new requests get 503, running ones may finish
         self.timelines = TimelineRing()  # recent finished sequences' stage times (request_timelines.py)
+        self.tokenize_pool: Any = None  # --tokenizer-workers' TokenizePool (tokenize_pool.py); None: a thread
+        self.live_bound: int | None = None  # most sequences live at once (live_bound.py; set at start-up)
         self._recv_task = asyncio.create_task(self._recv_loop())
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -306,6 +309,7 @@ class TokenizerManager:
         Leaving early (client disconnect, cancellation, an error) aborts every unfinished seq.
         """
         self.validate(seqs, prompt_param, internal)
+        check_live(self, seqs, internal)  # never more live requests than the detokenizer holds
         queue: asyncio.Queue[tuple[int, TextOutput] | RequestError] = asyncio.Queue()
         rids = [f"{request_id}-{i}" for i in range(len(seqs))]
         if any(rid in self._states for rid in rids):

@@ -45,8 +45,10 @@ from tokenmill.entrypoints.openai.serving_common import check_model, now_s
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
 from tokenmill.entrypoints.openai.serving_tokenize import TokenizeServing
 from tokenmill.frontend.dp_router import DataParallelRouter
+from tokenmill.frontend.live_bound import install_live_bound
 from tokenmill.frontend.reasoning_parser import ReasoningParser, get_reasoning_parser
 from tokenmill.frontend.request_timelines import MAX_FINISHED
+from tokenmill.frontend.tokenize_pool import TokenizePool
 from tokenmill.frontend.tokenizer_manager import RequestError, ServerStatus, TokenizerManager
 from tokenmill.frontend.tool_parsers import ToolParser, get_tool_parser
 from tokenmill.ipc.channels import IpcPaths
@@ -75,6 +77,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # --tool-call-parser: a name in frontend/tool_parsers.py
     # --data-parallel-size / --load-balance-method: replicas behind a router (frontend/dp_router.py)
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    tokenizer_workers: int = 0  # --tokenizer-workers: processes for templates + tokenization (0: a thread)
 
 
 class ServerState:
@@ -123,6 +126,9 @@ def build_app(
             router.on_all_dead, on_exit = on_exit, router.on_process_exit
         watch = asyncio.create_task(children.watch(on_exit))
         startup = asyncio.create_task(_startup(server.manager, config, on_fatal, server.chat.choose_tool_parser))
+        if config.tokenizer_workers:  # spawned from this (the event loop's) thread: see tokenize_pool.py
+            manager.tokenize_pool = TokenizePool(config.tokenizer_workers, config.log_level)
+            workers_up = asyncio.create_task(manager.tokenize_pool.start_with(manager))
         try:
             yield
         finally:
@@ -132,6 +138,9 @@ def build_app(
             await server.manager.shutdown()
             if router is not None:
                 await router.close()
+            if manager.tokenize_pool is not None:
+                workers_up.cancel()
+                await manager.tokenize_pool.close()
             await asyncio.to_thread(children.terminate)
             ctx.destroy(linger=0)
             paths.remove()
@@ -230,7 +239,7 @@ def build_app(
 
 async def _startup(manager: TokenizerManager, config: ServerConfig, on_fatal: Callable[[], None],
                    on_ready: Callable[[], None] = lambda: None) -> None:
-    if await manager.start():
+    if await manager.start() and install_live_bound(manager, config.engine.max_num_seqs):
         assert manager.limits is not None
         on_ready()  # e.g. the tool-call parser read from the chat template, logged once
         print(f"tokenmill: serving {manager.limits.model_name} on http://{config.host}:{config.port}",

@@ -13,7 +13,6 @@ named function is generated under the tools' schemas (params.forced_call_schema)
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     with_timing,
 )
 from tokenmill.frontend.reasoning_parser import ReasoningDelta, ReasoningParser, ReasoningState
+from tokenmill.frontend.tokenize_pool import chat_prompt_ids, run_tokenizer
 from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
 from tokenmill.frontend.tool_parser_choice import choose_tool_parser, log_choice
 from tokenmill.frontend.tool_parsers import CallReader, ForcedCallState, ToolCall, ToolParser
@@ -94,9 +94,8 @@ class ChatServing(ServingBase):
         check_model(req.model, model)
         params = chat_sampling_params(req)
         # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
-        prompt_ids = await asyncio.to_thread(
-            self.manager.tokenizer.apply_chat_template,
-            req.messages,
+        prompt_ids = await run_tokenizer(
+            self.manager, chat_prompt_ids, req.messages, self.manager.limits.max_model_len,
             add_generation_prompt=req.add_generation_prompt is not False,
             tools=req.tools,
             chat_template_kwargs=req.chat_template_kwargs,

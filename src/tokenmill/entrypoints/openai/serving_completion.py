@@ -9,7 +9,6 @@ and if not such requests get a 400 rather than made-up numbers.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     with_timing,
 )
 from tokenmill.errors import InvalidRequest
+from tokenmill.frontend.tokenize_pool import check_length_bound, run_tokenizer
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.frontend.tokenizer_manager import RequestError, Seq, child_params
 from tokenmill.ipc.messages import Logprob, TextOutput
@@ -87,7 +87,7 @@ class CompletionServing(ServingBase):
             )
         if isinstance(req.prompt, list) and len(req.prompt) * params.n > MAX_CHOICES and not _is_ids(req.prompt):
             raise InvalidRequest(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="prompt")
-        prompts = await asyncio.to_thread(_tokenize, tok, req.prompt)
+        prompts = await run_tokenizer(self.manager, _tokenize, req.prompt, limits.max_model_len)
         # A stream echoes each choice's prompt with that choice's first chunk: every sample then
         # brings its own prompt logprobs (otherwise only sample 0 computes them).
         seqs = [Seq(ids, child_params(params, k, bool(req.stream))) for _, ids in prompts for k in range(params.n)]
@@ -212,8 +212,9 @@ class CompletionServing(ServingBase):
         yield DONE
 
 
-def _tokenize(tokenizer: Tokenizer, prompt: str | list) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt, in the order the choices are numbered."""
+def _tokenize(tokenizer: Tokenizer, prompt: str | list, max_model_len: int) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt, in the order the choices are numbered. Runs in a thread or
+    a tokenizer worker (frontend/tokenize_pool.py); a text certainly too long is rejected untokenized."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -225,6 +226,7 @@ def _tokenize(tokenizer: Tokenizer, prompt: str | list) -> list[tuple[str | None
         if isinstance(p, str):
             if not p:
                 raise InvalidRequest("the prompt is empty", param="prompt")
+            check_length_bound(tokenizer, p, max_model_len, "prompt")
             out.append((p, tokenizer.encode(p)))
         else:
             out.append((None, list(p)))

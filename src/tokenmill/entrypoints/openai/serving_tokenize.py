@@ -18,6 +18,7 @@ from tokenmill.entrypoints.openai.protocol import DetokenizeRequest, TokenizeReq
 from tokenmill.entrypoints.openai.request_log import record_of
 from tokenmill.entrypoints.openai.serving_common import check_model, parse_body
 from tokenmill.errors import InvalidRequest
+from tokenmill.frontend.tokenize_pool import run_tokenizer
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.frontend.tokenizer_manager import TokenizerManager
 
@@ -34,19 +35,20 @@ class TokenizeServing:
 
     async def tokenize(self, raw: Request) -> JSONResponse:
         req = await parse_body(raw, TokenizeRequest)
-        tok = self._ready(req.model)
+        self._ready(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("give either 'prompt' (text) or 'messages' (a chat), not both or neither",
                                  param="prompt" if req.prompt is not None else "messages")
         # A long text takes milliseconds to tokenize: off the event loop, like the generation endpoints.
         if req.messages is not None:
             check_tools(req.tools)
-            ids = await asyncio.to_thread(
-                tok.apply_chat_template, req.messages, add_generation_prompt=req.add_generation_prompt is not False,
-                tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
+            ids = await run_tokenizer(
+                self.manager, Tokenizer.apply_chat_template, req.messages,
+                add_generation_prompt=req.add_generation_prompt is not False, tools=req.tools,
+                chat_template_kwargs=req.chat_template_kwargs,
             )
         else:
-            ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens is not False)
+            ids = await run_tokenizer(self.manager, Tokenizer.encode, req.prompt, req.add_special_tokens is not False)
         record_of(raw).prompt_tokens = len(ids)
         assert self.manager.limits is not None
         return JSONResponse({"count": len(ids), "max_model_len": self.manager.limits.max_model_len, "tokens": ids})
