@@ -37,7 +37,7 @@ from tokenmill.engine.memory_trim import KV_POOL_DIR_ENV, kv_pool_file
 from tokenmill.entrypoints.bench_serve import make_prompts
 
 MB = 1024 * 1024
-IDLE_SETTLE_S = 3.0
+IDLE_SETTLE_S = 5.0
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")
 
@@ -298,9 +298,13 @@ async def _soak(args: argparse.Namespace, url: str, server_pid: int, kv_dir: str
                     return
                 await asyncio.sleep(min(args.interval, max(0.0, stop_at - time.monotonic())))
 
-        sampling = asyncio.create_task(sampler())
-        await asyncio.gather(*(client_loop() for _ in range(args.streams)))
-        await sampling
+        clients = [asyncio.create_task(client_loop()) for _ in range(args.streams)]
+        await sampler()
+        # Streams still running at the end are dropped (the server aborts them) rather than waited
+        # for: under load one can take minutes, and the idle sample should follow the load at once.
+        for task in clients:
+            task.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
         await asyncio.sleep(IDLE_SETTLE_S)  # the engine goes idle (and trims) once the last stream ends
         idle = take_sample()
     result: dict[str, Any] = {}
