@@ -160,7 +160,15 @@ def test_request_timeline_from_both_processes(client, model, server):
     seq = got.json()["sequences"][0]
     assert seq["status"] == "finished" and seq["finish_reason"] == "length"
     front = seq["frontend"]  # the API process's clock, from the HTTP arrival
-    assert 0 <= front["sent_to_scheduler"] <= front["first_text"] <= front["last_text"]
+    assert "template_rendered" not in front and "tokenizer" not in seq  # a completion has no template
+    order = ["tokenized", "sent_to_scheduler", "first_text", "last_text", "last_byte_sent"]
+    assert front["tokenized"] >= 0 and [front[s] for s in order] == sorted(front[s] for s in order)
+    detok = seq["detokenizer"]  # the detokenizer's clock: durations only
+    assert 0 < detok["busy_s"] <= detok["held_s"]
+    # Durations on two clocks may be compared (never stamps): the detokenizer held the sequence for
+    # part of the time between the API process tokenizing it and receiving its last text ("sent" is
+    # stamped once send() returns, possibly after the detokenizer already heard of it).
+    assert detok["held_s"] <= front["last_text"] - front["tokenized"]
     engine = seq["engine"]  # the scheduler's clock, from the engine's arrival
     stages = [e["stage"] for e in engine["events"]]
     assert stages[:2] == ["arrived", "scheduled"] and stages[-1] == "finished" and "first_token" in stages
@@ -174,6 +182,20 @@ def test_request_timeline_from_both_processes(client, model, server):
             "engine"] is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert seq["finish_reason"] == "stop" and seq["engine"]["events"][-1]["reason"] == "stop"
+    assert seq["detokenizer"]["held_s"] > 0  # the text ended in the detokenizer: its last text says so
+    # A streamed chat: the template is a stage of its own; the last byte follows [DONE].
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, temperature=0,
+                                                 stream=True))
+    deadline = time.monotonic() + 10
+    while (seq := httpx.get(f"{server.url}/v1/requests/{chunks[0].id}/timeline", headers=auth, timeout=30).json()[
+            "sequences"][0])["frontend"]["last_byte_sent"] is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    front = seq["frontend"]
+    order = ["template_rendered", *order]
+    assert list(front) == order and front["template_rendered"] >= 0
+    assert [front[s] for s in order] == sorted(front[s] for s in order)
+    assert seq["tokenizer"]["template_render_s"] > 0 and seq["tokenizer"]["encode_s"] > 0
+    assert seq["tokenizer"]["in_worker_process"] is False
     missing = httpx.get(f"{server.url}/v1/requests/cmpl-nope/timeline", headers=auth, timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
 

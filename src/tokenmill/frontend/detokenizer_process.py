@@ -2,7 +2,9 @@
 
 One RequestOutputState per request (the same class the offline API uses), in DELTA mode. When a stop
 string matches, the request's text ends here at once and a FinishRequest goes back to the scheduler,
-which frees the KV within a step or two (tokens it produced meanwhile are dropped by the state).
+which frees the KV within a step or two (tokens it produced meanwhile are dropped by the state). A
+request's last text carries how long this process held it and how much of that it spent working
+(durations: its clock is not the API server's).
 
 The state table is bounded (MAX_STATES, SGLang's DETOKENIZER_MAX_STATES) but never evicts: losing a
 live request's state loses its output (seed 001's failure). The API server's admission keeps live
@@ -48,12 +50,15 @@ MAX_STATES = 65536
 
 
 class _Seq:
-    __slots__ = ("state", "logprobs", "sent_logprobs")
+    __slots__ = ("state", "logprobs", "sent_logprobs", "received", "busy")
 
     def __init__(self, state: RequestOutputState) -> None:
         self.state = state
         self.logprobs: list[Logprob] = []  # received, not yet sent
         self.sent_logprobs = 0
+        # For the request's timeline: this process's clock, reported as durations (never as stamps).
+        self.received = time.perf_counter()
+        self.busy = 0.0  # seconds spent in state.update (detokenizing, stop strings)
 
 
 class Detokenizer:
@@ -100,7 +105,9 @@ class Detokenizer:
             return
         if out.logprobs:
             seq.logprobs.extend(out.logprobs)
+        tic = time.perf_counter()
         delta = seq.state.update(out.new_token_ids, out.finish_reason if out.finished else None)
+        seq.busy += time.perf_counter() - tic
         if delta is None:  # DELTA mode answers every update that brings tokens or a finish
             return
         logprobs = None
@@ -112,6 +119,7 @@ class Detokenizer:
             out.request_id, delta.text, delta.token_ids, delta.finished, delta.finish_reason,
             delta.stop_reason, delta.num_output_tokens, logprobs, out.queue_time, out.num_cached_tokens,
             out.prompt_logprobs, out.timeline,
+            {"held_s": time.perf_counter() - seq.received, "busy_s": seq.busy} if delta.finished else None,
         ))
         if delta.finished or out.finished:
             del self.seqs[out.request_id]

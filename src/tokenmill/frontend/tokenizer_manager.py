@@ -23,7 +23,7 @@ import zmq.asyncio
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.live_bound import check_live
 from tokenmill.frontend.output_merge import merge_pending
-from tokenmill.frontend.request_timelines import TimelineRing, frontend_view
+from tokenmill.frontend.request_timelines import PromptStages, TimelineRing, frontend_view
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.ipc.channels import MAIN, SCHEDULER, AsyncReceiver, IpcPaths, Sender
 from tokenmill.ipc.messages import (
@@ -77,9 +77,11 @@ class Seq:
 
 class _SeqState:
     __slots__ = ("queue", "index", "arrival", "last_time", "finished", "record", "num_output_tokens", "sent",
-                 "first_time")
+                 "first_time", "stages")
 
-    def __init__(self, queue: asyncio.Queue, index: int, arrival: float, record: bool) -> None:
+    def __init__(self, queue: asyncio.Queue, index: int, arrival: float, record: bool,
+                 stages: PromptStages | None = None) -> None:
+        self.stages = stages  # when its template was rendered and it was tokenized (request_timelines.py)
         self.queue = queue
         self.index = index
         self.arrival = arrival
@@ -268,7 +270,7 @@ class TokenizerManager:
             state = self._states.get(seq_id)
             record = self.timelines.get(seq_id)
             if record is None and state is not None and not state.finished:
-                view = frontend_view(state.arrival, state.sent, state.first_time, state.last_time)
+                view = frontend_view(state.arrival, state.sent, state.first_time, state.last_time, state.stages)
                 record = {"id": seq_id, "status": "running", "frontend": view, "engine": None}
             if record is None:
                 break
@@ -303,6 +305,7 @@ class TokenizerManager:
         prompt_param: str = "prompt",
         cache_salt: str | None = None,
         internal: bool = False,
+        stages: PromptStages | None = None,
     ) -> AsyncIterator[tuple[int, TextOutput]]:
         """Queue the seqs as engine requests `{request_id}-{i}` and yield (i, output) as text arrives.
 
@@ -316,7 +319,7 @@ class TokenizerManager:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         try:
             for i, (rid, seq) in enumerate(zip(rids, seqs)):
-                self._states[rid] = _SeqState(queue, i, arrival, record=not internal)
+                self._states[rid] = _SeqState(queue, i, arrival, not internal, stages)
                 try:
                     self._to_scheduler.send(AddRequest(rid, seq.prompt_token_ids, seq.params, cache_salt))
                     self._states[rid].sent = time.monotonic()
@@ -427,8 +430,8 @@ class TokenizerManager:
         if out.finished:
             state.finished = True
             if state.record:
-                view = frontend_view(state.arrival, state.sent, state.first_time, now)
-                self.timelines.finished(out.request_id, view, out.finish_reason, out.timeline)
+                view = frontend_view(state.arrival, state.sent, state.first_time, now, state.stages)
+                self.timelines.finished(view, out, state.stages)
         state.queue.put_nowait((state.index, out))
 
     def _fail(self, rid: str, error: RequestError) -> None:

@@ -95,6 +95,9 @@ class TextOutput(msgspec.Struct, array_like=True):
     num_cached_tokens: int = 0
     prompt_logprobs: list[Logprob | None] | None = None
     timeline: dict | None = None  # as TokenOutput's; may come after the text finished (a stop string)
+    # The last text only: the detokenizer's durations on its own clock, {"held_s", "busy_s"}
+    # (frontend/request_timelines.py); durations, because another process's timestamps mean nothing here.
+    detokenizer: dict[str, float] | None = None
 
 
 class TextBatch(msgspec.Struct, tag=True):

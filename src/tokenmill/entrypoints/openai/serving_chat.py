@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tokenmill.entrypoints.openai.errors import as_request_error
 from tokenmill.entrypoints.openai.params import chat_sampling_params
@@ -33,18 +33,22 @@ from tokenmill.entrypoints.openai.serving_common import (
     chat_logprobs,
     check_model,
     disconnected_response,
+    json_response,
     new_id,
     now_s,
     parse_body,
     request_timing,
     sse,
     sse_error,
+    stamp_last_byte,
     unless_disconnected,
     usage,
     with_timing,
 )
+from tokenmill.frontend.chat_prompt_timing import timed_chat_prompt_ids
 from tokenmill.frontend.reasoning_parser import ReasoningDelta, ReasoningParser, ReasoningState
-from tokenmill.frontend.tokenize_pool import chat_prompt_ids, run_tokenizer
+from tokenmill.frontend.request_timelines import prompt_stages
+from tokenmill.frontend.tokenize_pool import run_tokenizer
 from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
 from tokenmill.frontend.tool_parser_choice import choose_tool_parser, log_choice
 from tokenmill.frontend.tool_parsers import CallReader, ForcedCallState, ToolCall, ToolParser
@@ -94,19 +98,20 @@ class ChatServing(ServingBase):
         check_model(req.model, model)
         params = chat_sampling_params(req)
         # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
-        prompt_ids = await run_tokenizer(
-            self.manager, chat_prompt_ids, req.messages, self.manager.limits.max_model_len,
+        prompt_ids, prompt_timing = await run_tokenizer(
+            self.manager, timed_chat_prompt_ids, req.messages, self.manager.limits.max_model_len,
             add_generation_prompt=req.add_generation_prompt is not False,
             tools=req.tools,
             chat_template_kwargs=req.chat_template_kwargs,
         )
+        tokenized = time.monotonic()
         seqs = [Seq(prompt_ids, child_params(params, k)) for k in range(params.n)]
         self.manager.validate(seqs, "messages")
         request_id = new_id("chatcmpl")
         record = record_of(raw)
         record.request_id, record.prompt_tokens = request_id, len(prompt_ids)
         outputs = self.manager.generate(request_id, seqs, arrival=arrival, prompt_param="messages",
-                                        cache_salt=req.cache_salt)
+                                        cache_salt=req.cache_salt, stages=prompt_stages(tokenized, prompt_timing))
         want_logprobs = params.logprobs is not None
         tools = self._tool_states(req, params.n)
         if req.stream:
@@ -116,6 +121,7 @@ class ChatServing(ServingBase):
             if req.include_timing:
                 head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": model}
                 stream = with_timing(stream, self.manager, request_id, head)
+            stream = stamp_last_byte(stream, self.manager, request_id, arrival)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             body = await unless_disconnected(
@@ -126,7 +132,7 @@ class ChatServing(ServingBase):
         record.set_usage(body["usage"])
         if req.include_timing:
             body["timing"] = await request_timing(self.manager, request_id)
-        return JSONResponse(body)
+        return json_response(body, self.manager, request_id, arrival)
 
     async def _collect(
         self, outputs: AsyncIterator[tuple[int, TextOutput]], request_id: str, model: str, n: int,

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import pydantic
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from tokenmill.entrypoints.openai.errors import error_body, validation_message
 from tokenmill.frontend.token_bytes import TokenBytes
@@ -235,3 +235,19 @@ async def with_timing(stream: AsyncIterator[str], manager: TokenizerManager, req
         if item == DONE:
             yield sse({**head, "choices": [], "timing": await request_timing(manager, request_id)})
         yield item
+
+
+async def stamp_last_byte(stream: AsyncIterator[str], manager: TokenizerManager, request_id: str,
+                          arrival: float) -> AsyncIterator[str]:
+    """`stream`, then the timeline's last_byte_sent: the HTTP server asks for the next chunk only once
+    it has sent the previous one, so this loop ends after [DONE] was handed over."""
+    async for item in stream:
+        yield item
+    manager.timelines.last_byte_sent(request_id, time.monotonic() - arrival)
+
+
+def json_response(body: dict[str, Any], manager: TokenizerManager, request_id: str, arrival: float) -> JSONResponse:
+    """The non-streamed response, its timeline's last_byte_sent stamped once the body is built."""
+    response = JSONResponse(body)
+    manager.timelines.last_byte_sent(request_id, time.monotonic() - arrival)
+    return response

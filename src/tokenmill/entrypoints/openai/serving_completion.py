@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tokenmill.entrypoints.openai.errors import as_request_error
 from tokenmill.entrypoints.openai.params import MAX_CHOICES, completion_sampling_params, echo_only
@@ -31,18 +31,21 @@ from tokenmill.entrypoints.openai.serving_common import (
     completion_logprobs,
     concat_logprobs,
     disconnected_response,
+    json_response,
     new_id,
     now_s,
     parse_body,
     request_timing,
     sse,
     sse_error,
+    stamp_last_byte,
     unless_disconnected,
     usage,
     vllm_prompt_logprobs,
     with_timing,
 )
 from tokenmill.errors import InvalidRequest
+from tokenmill.frontend.request_timelines import prompt_stages
 from tokenmill.frontend.tokenize_pool import check_length_bound, run_tokenizer
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.frontend.tokenizer_manager import RequestError, Seq, child_params
@@ -88,6 +91,7 @@ class CompletionServing(ServingBase):
         if isinstance(req.prompt, list) and len(req.prompt) * params.n > MAX_CHOICES and not _is_ids(req.prompt):
             raise InvalidRequest(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="prompt")
         prompts = await run_tokenizer(self.manager, _tokenize, req.prompt, limits.max_model_len)
+        stages = prompt_stages(time.monotonic())
         # A stream echoes each choice's prompt with that choice's first chunk: every sample then
         # brings its own prompt logprobs (otherwise only sample 0 computes them).
         seqs = [Seq(ids, child_params(params, k, bool(req.stream))) for _, ids in prompts for k in range(params.n)]
@@ -99,13 +103,15 @@ class CompletionServing(ServingBase):
                    req.prompt_logprobs is not None)
         record = record_of(raw)
         record.request_id, record.prompt_tokens = job.request_id, job.prompt_tokens
-        outputs = self.manager.generate(job.request_id, seqs, arrival=arrival, cache_salt=req.cache_salt)
+        outputs = self.manager.generate(job.request_id, seqs, arrival=arrival, cache_salt=req.cache_salt,
+                                        stages=stages)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             stream = self._stream(outputs, job, include_usage, record)
             if req.include_timing:
                 head = {"id": job.request_id, "object": "text_completion", "created": now_s(), "model": job.model}
                 stream = with_timing(stream, self.manager, job.request_id, head)
+            stream = stamp_last_byte(stream, self.manager, job.request_id, arrival)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             body = await unless_disconnected(raw, self._collect(outputs, job))
@@ -114,7 +120,7 @@ class CompletionServing(ServingBase):
         record.set_usage(body["usage"])
         if req.include_timing:
             body["timing"] = await request_timing(self.manager, job.request_id)
-        return JSONResponse(body)
+        return json_response(body, self.manager, job.request_id, arrival)
 
     def _prompt_logprobs(self, job: _Job, prompt: int, items: list[Logprob | None] | None) -> dict[str, Any]:
         ids = job.prompts[prompt][1]
