@@ -78,6 +78,20 @@ def _figure(rows: int, cols: int, width: float, height: float) -> tuple[Any, Any
     return fig, axes
 
 
+def _cdf_axes(ax: Any, title: str, ylabel: str, values: Sequence[float]) -> None:
+    """Labels and scale of a CDF panel; values spanning over 20x (a stall among ms gaps) get a log x
+    axis, or the tail would squeeze the body into one vertical line."""
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("ms", fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_ylim(0, 1.02)
+    positive = [v for v in values if v > 0]
+    if positive and max(positive) > 20 * min(positive):
+        ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.tick_params(labelsize=7)
+
+
 def _png(fig: Any) -> bytes:
     import matplotlib.pyplot as plt
 
@@ -99,18 +113,16 @@ def serve_cdf_png(result: dict) -> bytes | None:
     for col, concurrency in enumerate(levels):
         for row, (key, name) in enumerate((("ttfts_s", "TTFT"), ("itls_s", "inter-token latency"))):
             ax = axes[row][col]
+            drawn: list[float] = []
             for label, results in engines:
                 level = next((r for r in results if r["concurrency"] == concurrency), None)
-                values = (level or {}).get(key) or []
+                values = [1000 * v for v in (level or {}).get(key) or []]
                 if values:
-                    xs, ys = cdf([1000 * v for v in values])
+                    xs, ys = cdf(values)
                     ax.step(xs, ys, where="post", label=label)
-            ax.set_title(f"{name}, concurrency {concurrency}", fontsize=9)
-            ax.set_xlabel("ms", fontsize=8)
-            ax.set_ylabel("fraction of requests" if key == "ttfts_s" else "fraction of gaps", fontsize=8)
-            ax.set_ylim(0, 1.02)
-            ax.grid(alpha=0.3)
-            ax.tick_params(labelsize=7)
+                    drawn += values
+            _cdf_axes(ax, f"{name}, concurrency {concurrency}",
+                      "fraction of requests" if key == "ttfts_s" else "fraction of gaps", drawn)
     axes[0][0].legend(fontsize=7)
     return _png(fig)
 
@@ -133,6 +145,7 @@ def serve_trend_png(result: dict) -> bytes:
         ax.set_xscale("log", base=2)
         levels = sorted({r["concurrency"] for _, rs in serve_engines(result) for r in rs})
         ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=7)
@@ -148,6 +161,7 @@ def throughput_bars_png(result: dict) -> bytes:
         values = [result["results"][n][key] for n in names]
         bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))])
         ax.bar_label(bars, [f"{v:.1f}" for v in values], fontsize=8)
+        ax.margins(y=0.12)  # room for the labels under the title
         if key == "output_tokens_per_s":
             lo = [v - result["results"][n].get("output_tokens_per_s_min", v) for n, v in zip(names, values)]
             hi = [result["results"][n].get("output_tokens_per_s_max", v) - v for n, v in zip(names, values)]
@@ -167,17 +181,14 @@ def throughput_cdf_png(result: dict) -> bytes | None:
     fig, axes = _figure(1, 2, 8.0, 3.2)
     for ax, key, title in ((axes[0][0], "ttft_s", "TTFT (all requests submitted at once)"),
                            (axes[0][1], "itl_s", "mean inter-token latency per request")):
+        drawn: list[float] = []
         for i, (name, per_request) in enumerate(engines):
-            values = [v for v in per_request.get(key) or [] if v is not None]
+            values = [1000 * v for v in per_request.get(key) or [] if v is not None]
             if values:
-                xs, ys = cdf([1000 * v for v in values])
+                xs, ys = cdf(values)
                 ax.step(xs, ys, where="post", color=f"C{i}", label=name)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("ms", fontsize=8)
-        ax.set_ylabel("fraction of requests", fontsize=8)
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
+                drawn += values
+        _cdf_axes(ax, title, "fraction of requests", drawn)
         ax.legend(fontsize=7)
     return _png(fig)
 
