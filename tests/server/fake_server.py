@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from tests.frontend.conftest import bundled_gguf_path
 from tokenmill.entrypoints.openai.api_server import ServerConfig, ServerState, build_app
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
+from tokenmill.frontend.request_timelines import TimelineRing
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.frontend.tokenizer_manager import Seq, ServerStatus, TokenizerManager
 from tokenmill.ipc.messages import Logprob, SchedulerReady, TextOutput
@@ -44,10 +45,11 @@ class FakeManager:
                                      supports_prompt_logprobs=True)
         self.reply_ids = tokenizer.encode(reply, add_special_tokens=False)
         self.fail_with: Exception | None = None  # raised by generate instead of answering
+        self.timelines = TimelineRing()  # the serving code stamps last_byte_sent here (none are recorded)
 
     async def generate(
         self, request_id: str, seqs: Sequence[Seq], *, arrival: float, prompt_param: str = "prompt",
-        cache_salt: str | None = None, internal: bool = False,
+        cache_salt: str | None = None, internal: bool = False, stages: object = None,
     ) -> AsyncIterator[tuple[int, TextOutput]]:
         self.validate(seqs, prompt_param, internal)
         if self.fail_with is not None:

@@ -28,7 +28,7 @@ class TokenByTokenManager(FakeManager):
 
     async def generate(
         self, request_id: str, seqs: Sequence[Seq], *, arrival: float, prompt_param: str = "prompt",
-        cache_salt: str | None = None, internal: bool = False,
+        cache_salt: str | None = None, internal: bool = False, stages: object = None,
     ) -> AsyncIterator[tuple[int, TextOutput]]:
         self.validate(seqs, prompt_param, internal)
         ids = self.reply_ids
