@@ -22,6 +22,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.spec.proposer import Proposer, build_proposer, propose_drafts
 from tokenmill.engine.spec.stats import SpecDecodeStats
+from tokenmill.engine.step_stats import StepStats
 from tokenmill.errors import InvalidRequest
 from tokenmill.kvcache.page_pool import PagePool
 from tokenmill.model.runner import ModelRunner, SeqChunk
@@ -44,8 +45,7 @@ class EngineOutput:
     stop_reason: int | str | None = None  # the stop token id (None for EOS)
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (page-aligned)
-    # params.prompt_logprobs, on the request's first output only: one entry per prompt token, the
-    # first None (vLLM's shape).
+    # params.prompt_logprobs, first output only: one entry per prompt token, the first None (vLLM's shape)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     timeline: dict | None = None  # on the finished output: RequestTimeline.summary()
 
@@ -85,6 +85,7 @@ class EngineCore:
         # Speculative decoding (engine/spec/): None when off.
         self.proposer: Proposer | None = build_proposer(config, vocab_size) if proposer is None else proposer
         self.spec_stats = SpecDecodeStats()
+        self.step_stats = StepStats(config.max_num_batched_tokens)  # the dashboard's view of each step
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(
@@ -146,9 +147,7 @@ class EngineCore:
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED, stop_reason: str | None = None
     ) -> bool:
         """Aborts (or, for a stop string the frontend found, stops) a request and releases its KV now.
-
-        Unknown or already finished ids are ignored: a duplicate abort must be harmless.
-        """
+        Unknown or already finished ids are ignored: a duplicate abort must be harmless."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
@@ -219,6 +218,7 @@ class EngineCore:
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        self.step_stats.begin()
         sched = self.scheduler.schedule()
         for r in sched.preempted:
             self._release_speculation(r.request_id)
@@ -255,6 +255,7 @@ class EngineCore:
         outputs = self._sample_and_append(sampling, [drafts.get(r.request_id, []) for r in sampling], logits)
         self._propose()
         self._maybe_check_idle()
+        self.step_stats.end(sched.chunks)
         return outputs
 
     def _sample_and_append(
@@ -426,7 +427,6 @@ class EngineCore:
         total = self.pool.num_pages
         free = self.pool.num_free
         cached = self.scheduler.num_cached_pages
-        cache = self.scheduler.cache
         queries = self.scheduler.prefix_query_tokens
         hits = self.scheduler.prefix_hit_tokens
         return {
@@ -445,6 +445,6 @@ class EngineCore:
             "prefix_cache_queries_tokens_total": queries,
             "prefix_cache_hit_tokens_total": hits,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-            "kv_pages_evicted": cache.num_evicted_pages if cache is not None else 0,
+            **self.step_stats.as_dict(self.scheduler),  # kv_pages_evicted, preempted, step composition
             **self.spec_stats.as_dict(),
         }

@@ -154,6 +154,25 @@ class SchedulerStats(msgspec.Struct, tag=True):
     # Tokens (prompt + output so far) of every unfinished request, waiting or running: the load the
     # data-parallel controller's least_tokens policy compares (SGLang's total_tokens).
     num_tokens: int = 0
+    # The live dashboard (engine/step_stats.py, entrypoints/openai/dashboard.py). time_s is the
+    # scheduler's monotonic clock when sent: rates are deltas of two messages on that one clock.
+    time_s: float = 0.0
+    num_requests_preempted: int = 0
+    kv_pages_free: int = 0
+    kv_pages_cached: int = 0
+    prefix_cache_queries_tokens_total: int = 0
+    step_token_budget: int = 0
+    step_count_total: int = 0
+    step_time_total_s: float = 0.0
+    step_prefill_tokens_total: int = 0
+    step_decode_rows_total: int = 0
+    last_step_prefill_tokens: int = 0
+    last_step_decode_rows: int = 0
+    last_step_draft_tokens: int = 0
+    last_step_num_tokens: int = 0
+    last_step_time_s: float = 0.0
+    # the radix tree's longest shared prefixes (RadixCache.shared_prefixes, as dicts), refreshed slower
+    prefix_tree_top: list[dict] = []
 
 
 ToScheduler = AddRequest | AbortRequest | FinishRequest

@@ -25,6 +25,7 @@ import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tokenmill.kvcache.page_pool import PagePool
 
@@ -58,7 +59,19 @@ class PrefixMatch:
         return len(self.pages)
 
 
+class SharedPrefix(NamedTuple):
+    """A prefix several sequences share: where cached continuations branch, or >= 2 requests lock it."""
+
+    tokens: int  # the prefix's length (page-aligned)
+    lock_ref: int  # running requests using it
+    branches: int  # cached continuations below it
+    salted: bool  # in a cache_salt namespace (the salt itself is a tenant's secret, never shown)
+
+
 class RadixCache:
+    # Bounds shared_prefixes' walk (~1 ms): past it the answer covers the nodes seen so far.
+    SUMMARY_MAX_NODES = 4096
+
     def __init__(self, pool: PagePool) -> None:
         self.pool = pool
         self.page_size = pool.page_size
@@ -193,6 +206,24 @@ class RadixCache:
             parts.append(node.pages)
             node = node.parent
         return [p for part in reversed(parts) for p in part]
+
+    def shared_prefixes(self, limit: int = 5) -> list[SharedPrefix]:
+        """The `limit` longest prefixes that are shared (a branch point, or locked by >= 2 running
+        requests), longest first; for the dashboard, read at the stats cadence, never per step."""
+        found: list[SharedPrefix] = []
+        seen = 0
+        for salt, root in self._roots.items():
+            stack = [(root, 0)]
+            while stack and seen < self.SUMMARY_MAX_NODES:
+                node, depth = stack.pop()
+                seen += 1
+                depth += len(node.key)
+                if not node.is_root and (len(node.children) >= 2 or node.lock_ref >= 2):
+                    found.append(SharedPrefix(depth, node.lock_ref, len(node.children), salt is not None))
+                # Most nodes are leaves, and a leaf is shared only when >= 2 requests lock it: skip
+                # the others without visiting them (the walk's cost is the internal nodes).
+                stack.extend((c, depth) for c in node.children.values() if c.children or c.lock_ref >= 2)
+        return heapq.nlargest(limit, found, key=lambda p: (p.tokens, p.lock_ref))
 
     def all_pages(self) -> list[int]:
         return [p for n in self._nodes() for p in n.pages]
