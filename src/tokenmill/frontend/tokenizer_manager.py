@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.live_bound import check_live
+from tokenmill.frontend.live_latency import LiveLatency
 from tokenmill.frontend.output_merge import merge_pending
 from tokenmill.frontend.request_timelines import PromptStages, TimelineRing, frontend_view
 from tokenmill.frontend.tokenizer import Tokenizer
@@ -136,6 +137,7 @@ class TokenizerManager:
         self.timelines = TimelineRing()  # recent finished sequences' stage times (request_timelines.py)
         self.tokenize_pool: Any = None  # --tokenizer-workers' TokenizePool (tokenize_pool.py); None: a thread
         self.live_bound: int | None = None  # most sequences live at once (live_bound.py; set at start-up)
+        self.live = LiveLatency()  # the dashboard's sliding-window latencies (live_latency.py)
         self._recv_task = asyncio.create_task(self._recv_loop())
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -414,6 +416,7 @@ class TokenizerManager:
 
     def _deliver(self, state: _SeqState, out: TextOutput, now: float) -> None:
         if state.record:
+            self.live.observe(out, now, state.arrival, state.last_time)
             if out.queue_time is not None:
                 self.metrics.observe_queue_time(out.queue_time)
             n = len(out.token_ids)

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.config import DataParallelConfig, EngineConfig
 from tokenmill.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
+from tokenmill.entrypoints.openai.dashboard import install_dashboard
 from tokenmill.entrypoints.openai.errors import error_response, install_handlers
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.openapi import body_doc, install_openapi
@@ -234,6 +235,7 @@ def build_app(
     async def detokenize(raw: Request) -> Response:
         return await server.tokens.detokenize(raw)
 
+    install_dashboard(app, lambda: server.manager, config.api_key)  # GET /dashboard (dashboard.py)
     return app
 
 
