@@ -241,3 +241,36 @@ def test_a_replica_dying_during_start_up_fails_the_start():
         assert dead == ["scheduler-1"]
 
     run_router("round_robin", body)
+
+
+# ---- configuration and process layout ---------------------------------------------------------------
+def test_threads_are_split_among_replicas_each_pair_in_its_own_directory(tmp_path):
+    from tokenmill.config import DataParallelConfig, EngineConfig
+    from tokenmill.entrypoints.openai.processes import ChildProcesses
+
+    paths = IpcPaths(str(tmp_path))
+    children = ChildProcesses(paths, EngineConfig(num_threads=5), None, "INFO", DataParallelConfig(2))
+    commands = dict(children.commands())
+    assert list(commands) == ["scheduler-0", "detokenizer-0", "scheduler-1", "detokenizer-1"]
+    for i in (0, 1):
+        scheduler = commands[f"scheduler-{i}"]
+        assert scheduler[scheduler.index("--ipc-dir") + 1] == str(tmp_path / f"r{i}")
+        assert '"num_threads": 2' in scheduler[scheduler.index("--config") + 1]  # 5 // 2
+        assert scheduler[-2:] == ["--replica", str(i)]
+    single = dict(ChildProcesses(paths, EngineConfig(num_threads=1), None, "INFO").commands())
+    assert list(single) == ["scheduler", "detokenizer"] and '"num_threads": 1' in single["scheduler"][-1]
+    assert DataParallelConfig(4).replica_threads(2) == 1  # never 0
+
+
+def test_bad_data_parallel_settings_and_the_offline_api_are_refused():
+    from tokenmill.config import DataParallelConfig, EngineConfig
+    from tokenmill.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="data_parallel_size must be an integer >= 1"):
+        DataParallelConfig(0)
+    with pytest.raises(InvalidRequest, match="load_balance_method must be one of"):
+        DataParallelConfig(2, "fastest")
+    with pytest.raises(InvalidRequest, match="server-only.*--data-parallel-size") as info:
+        EngineConfig.from_kwargs(data_parallel_size=2)  # what LLM(data_parallel_size=2) calls
+    assert info.value.param == "data_parallel_size"
+    assert EngineConfig.from_kwargs(data_parallel_size=1) == EngineConfig()

@@ -36,15 +36,18 @@ class ChildProcesses:
         self.procs: dict[str, subprocess.Popen] = {}
         self._reported: set[str] = set()
 
-    def start(self) -> None:
+    def commands(self) -> list[tuple[str, list[str]]]:
+        """(name, command line) of every child: one scheduler + detokenizer pair per replica."""
         dp = self.data_parallel
         if dp.size == 1:
-            commands = self._pair(self.paths, self.config, None)
-        else:
-            # Replicas share the machine's cores: each gets its share of the threads, so N engines
-            # never oversubscribe what one engine would have used.
-            config = dataclasses.replace(self.config, num_threads=dp.replica_threads(self.config.threads))
-            commands = [cmd for i in range(dp.size) for cmd in self._pair(self.paths.replica(i), config, i)]
+            return self._pair(self.paths, self.config, None)
+        # Replicas share the machine's cores: each gets its share of the threads, so N engines never
+        # oversubscribe what one engine would have used.
+        config = dataclasses.replace(self.config, num_threads=dp.replica_threads(self.config.threads))
+        return [cmd for i in range(dp.size) for cmd in self._pair(self.paths.replica(i), config, i)]
+
+    def start(self) -> None:
+        commands = self.commands()
         env = dict(os.environ)
         # OpenMP threads wait between parallel regions; how long they spin before sleeping decides
         # both the idle and the shared case. Spinning forever (libgomp's default) steals the core a
