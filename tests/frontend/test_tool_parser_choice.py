@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import logging
 
+import msgspec
 import pytest
+import tokenizers
 
-from tests.server.fake_server import FakeManager, bundled_tokenizer
+from tests.server.fake_server import FakeManager, bundled_tokenizer, client_of
+from tokenmill.entrypoints.openai.api_server import ServerConfig, ServerState, build_app
+from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.serving_chat import ChatServing
 from tokenmill.frontend.chat_template import render_chat_template
 from tokenmill.frontend.tokenizer import Tokenizer
-from tokenmill.frontend.tool_parser_choice import choose_tool_parser, detect_tool_format
+from tokenmill.frontend.tool_parser_choice import choose_tool_parser, detect_tool_format, markers_are_special
 from tokenmill.frontend.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 # Excerpts in the shape of each family's real template (what the detection keys on).
@@ -88,3 +92,37 @@ def test_glm45_template_and_parser_are_a_pair():
         "type": "object", "properties": {"zip": {"type": "string"}}}}}
     found = get_tool_parser("glm45").new_state([tool]).feed(text)
     assert found.content == "" and [(c.name, json.loads(c.arguments)) for c in found.calls] == [("get_weather", args)]
+
+
+class DecodingManager(FakeManager):
+    """Decodes its reply as the real detokenizer would, with each request's skip_special_tokens."""
+
+    async def generate(self, request_id, seqs, **kwargs):  # type: ignore[override]
+        async for i, out in super().generate(request_id, seqs, **kwargs):
+            skip = seqs[i].params.skip_special_tokens
+            yield i, msgspec.structs.replace(out, text=self.tokenizer.decode(out.token_ids, skip_special_tokens=skip))
+
+
+def test_markers_that_are_special_tokens_are_kept_for_tool_requests():
+    # Hermes 2/3 and Mistral tokenizers mark their call markers special: skipped, no call could be read.
+    backend = tokenizers.Tokenizer.from_str(bundled_tokenizer().backend.to_str())
+    backend.add_special_tokens(["<tool_call>", "</tool_call>"])
+    special = Tokenizer(backend, chat_template=HERMES + "{{ messages[0].content }}")
+    assert markers_are_special(TOOL_PARSERS["hermes"], special)
+    assert not markers_are_special(TOOL_PARSERS["hermes"], bundled_tokenizer())
+    state = ServerState()
+    state.attach(DecodingManager(special, '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'),
+                 ServerMetrics(lambda: None))  # type: ignore[arg-type]
+    state.chat.choose_tool_parser()
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with client_of(build_app(ServerConfig(), state=state)) as http:
+        def message(**body: object) -> dict:
+            resp = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["choices"][0]["message"]
+
+        call = message(tools=tools)["tool_calls"][0]["function"]
+        assert call == {"name": "f", "arguments": '{"a": 1}'}
+        # Without tools (or with tool_choice none) the request's own skip_special_tokens holds.
+        assert message()["content"] == '{"name": "f", "arguments": {"a": 1}}'
+        assert message(tools=tools, tool_choice="none")["content"] == '{"name": "f", "arguments": {"a": 1}}'

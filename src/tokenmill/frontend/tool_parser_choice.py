@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.frontend.tool_parsers import ToolParser, get_tool_parser
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,15 @@ def choose_tool_parser(flag: str | None, template: str | None) -> ToolParserChoi
     return ToolParserChoice(None, None, "tool calls: not parsed (the chat template shows no recognised "
                                         "tool-call markup and no --tool-call-parser was given); tool_choice "
                                         "'required' or a named function still returns calls")
+
+
+def markers_are_special(parser: ToolParser, tokenizer: Tokenizer) -> bool:
+    """True when `parser`'s start marker is one special token of `tokenizer` (Hermes 2/3, Mistral):
+    decoding with skip_special_tokens (the default) would drop it and no call could be read, so chat
+    requests that may call tools decode with special tokens kept, as vLLM's hermes and mistral parsers
+    make them. EOS stays hidden either way (output_state shows no stop token's text)."""
+    ids = tokenizer.encode(parser.start, add_special_tokens=False)
+    return len(ids) == 1 and ids[0] in tokenizer.all_special_ids
 
 
 def log_choice(choice: ToolParserChoice) -> None:

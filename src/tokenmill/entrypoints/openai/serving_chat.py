@@ -13,6 +13,7 @@ named function is generated under the tools' schemas (params.forced_call_schema)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from tokenmill.frontend.reasoning_parser import ReasoningDelta, ReasoningParser,
 from tokenmill.frontend.request_timelines import prompt_stages
 from tokenmill.frontend.tokenize_pool import run_tokenizer
 from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
-from tokenmill.frontend.tool_parser_choice import choose_tool_parser, log_choice
+from tokenmill.frontend.tool_parser_choice import choose_tool_parser, log_choice, markers_are_special
 from tokenmill.frontend.tool_parsers import CallReader, ForcedCallState, ToolCall, ToolParser
 from tokenmill.ipc.messages import TextOutput
 
@@ -62,6 +63,7 @@ class ChatServing(ServingBase):
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser
         self._end_ids: list[int] | None = None
+        self._keep_markers = False  # the parser's marker is a special token: decode without skipping them
 
     def choose_tool_parser(self) -> None:
         """Once the tokenizer is loaded (start-up): the --tool-call-parser one, else the one the chat
@@ -71,6 +73,7 @@ class ChatServing(ServingBase):
         choice = choose_tool_parser(flag, self.manager.tokenizer.chat_template)
         log_choice(choice)
         self.tool_parser = choice.parser
+        self._keep_markers = choice.parser is not None and markers_are_special(choice.parser, self.manager.tokenizer)
 
     def _reasoning_states(self, n: int) -> list[ReasoningState] | None:
         if self.reasoning_parser is None:
@@ -97,6 +100,8 @@ class ChatServing(ServingBase):
         model = self.manager.limits.model_name
         check_model(req.model, model)
         params = chat_sampling_params(req)
+        if self._keep_markers and req.tools and req.tool_choice in (None, "auto"):
+            params = dataclasses.replace(params, skip_special_tokens=False)  # else the call markers vanish
         # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
         prompt_ids, prompt_timing = await run_tokenizer(
             self.manager, timed_chat_prompt_ids, req.messages, self.manager.limits.max_model_len,
