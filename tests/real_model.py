@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-import tokenmill.engine.factory as factory
+import tokenmill.model.builder as builder
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.model.default_model import default_model_path
 from tokenmill.model.loader import load_weights
@@ -25,7 +25,7 @@ def make_llm(**engine_args) -> LLM:
     # The end-to-end tests compare with transformers' fp32 output: exact unless a test says otherwise.
     engine_args.setdefault("precision", "exact")
     mp = pytest.MonkeyPatch()
-    mp.setattr(factory, "load_weights", _cached_load)
+    mp.setattr(builder, "load_weights", _cached_load)
     try:
         return LLM(**engine_args)
     finally:

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-import tokenmill.engine.factory as factory
+import tokenmill.model.builder as builder
 from tests.real_model import _cached_load, make_llm
 from tokenmill.entrypoints.cli import main
 from tokenmill.sample.sampling_params import SamplingParams
@@ -18,7 +18,7 @@ ENGINE = ["--kv-cache-tokens", "2048", "--num-threads", "2"]
 
 @pytest.fixture(autouse=True)
 def cached_weights(monkeypatch):
-    monkeypatch.setattr(factory, "load_weights", _cached_load)
+    monkeypatch.setattr(builder, "load_weights", _cached_load)
 
 
 def test_generate_prints_the_greedy_completion(capsys):

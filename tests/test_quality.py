@@ -120,13 +120,13 @@ WINDOW, WINDOWS = 256, 8
 @pytest.fixture(scope="module")
 def fast_vs_exact(tmp_path_factory) -> dict:
     # Imported here, not above: the metric tests need none of the model stack.
-    import tokenmill.engine.factory as factory
+    import tokenmill.model.builder as builder
     from tests.real_model import _cached_load
     from tokenmill.entrypoints.cli import main
 
     path = tmp_path_factory.mktemp("quality") / "quality.json"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(factory, "load_weights", _cached_load)
+        mp.setattr(builder, "load_weights", _cached_load)
         rc = main(["bench", "quality", "--precision", "fast", "--num-threads", "2", "--window", str(WINDOW),
                    "--chunks", str(WINDOWS), "--decode-batch", str(WINDOWS), "--json", str(path)])
     report = json.loads(path.read_text())

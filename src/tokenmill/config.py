@@ -138,6 +138,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Speculative decoding (a SpeculativeConfig, its fields as a dict, or a method name); None: off.
     speculative: SpeculativeConfig | None = None
+    # Tensor parallelism (parallel/): the model's heads, MLP and vocabulary split over this many
+    # ranks; rank 0 runs the engine. Ranks on other machines join with nnodes / node_rank /
+    # master_addr / master_port, as torchrun's flags (master_port 0: pick a free port, one node only).
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     def __post_init__(self) -> None:
         positive = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "bf16_min_rows")
@@ -164,6 +172,26 @@ class EngineConfig:
         object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative))
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequest("max_model_len must be >= 1", param="max_model_len")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}", param=name)
+        if self.tensor_parallel_size % self.nnodes:
+            raise InvalidRequest(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
+                                 f"{self.nnodes} (each node runs the same number of ranks)", param="nnodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise InvalidRequest(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}", param="node_rank")
+        if not 0 <= self.master_port <= 65535:
+            raise InvalidRequest(f"master_port must be a TCP port, got {self.master_port}", param="master_port")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise InvalidRequest("with nnodes > 1 every node must be given the same master_port", param="master_port")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     @property
     def num_pages(self) -> int:

@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
+        engine.runner.shutdown()  # tensor-parallel ranks stop with the engine
         ctx.destroy(linger=0)
     return 0
 

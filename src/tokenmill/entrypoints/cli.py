@@ -40,6 +40,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=d.enable_prefix_caching, help="reuse cached KV of shared prompt prefixes (default: on)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="compute every prompt in full; nothing is cached")
+    g = parser.add_argument_group("tensor parallelism (torch.distributed; flags as torchrun's)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="split heads, MLP and vocabulary over this many ranks (must divide the heads, KV heads "
+                        "and intermediate size)")
+    g.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the ranks are spread over")
+    g.add_argument("--node-rank", type=int, default=d.node_rank,
+                   help="this machine's index; nodes other than 0 run their ranks and no server")
+    g.add_argument("--master-addr", default=d.master_addr, help="where node 0's rank 0 listens")
+    g.add_argument("--master-port", type=int, default=d.master_port, help="0: a free port (one node only)")
     s = SpeculativeConfig()
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--speculative-method", choices=list(SPECULATIVE_METHODS), default=None,
@@ -58,7 +67,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-            "precision", "quantization", "num_threads", "seed", "enable_prefix_caching")
+            "precision", "quantization", "num_threads", "seed", "enable_prefix_caching",
+            "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port")
     kwargs = {k: getattr(args, k) for k in keys}
     if getattr(args, "speculative_method", None):
         model = args.speculative_model
@@ -157,6 +167,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not os.path.exists(model_path):
         print(f"error: no model at {model_path}", file=sys.stderr)
         return 2
+    if engine.node_rank > 0:  # a machine that only lends its ranks to node 0's engine
+        from tokenmill.parallel.launch import run_node_workers
+
+        return run_node_workers(engine, args.log_level)
     config = ServerConfig(
         engine=engine, model_path=model_path, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, log_level=args.log_level, reasoning_parser=args.reasoning_parser,

@@ -109,6 +109,17 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     # ---- internals -------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stops the engine's other tensor-parallel ranks (nothing to do on one rank); also on `with`
+        exit. Without it they stop when this process exits."""
+        self.engine.runner.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)

@@ -101,6 +101,14 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor | Quantize
     return config, weights, types
 
 
+def read_gguf_config(path: str) -> ModelConfig:
+    """The hyper-parameters alone, no tensor read (llama3 RoPE scaling, derived from a tensor, is
+    left out): for checks made before the weights are loaded."""
+    _check_magic(path)
+    reader = GGUFReader(path)
+    return _config(reader, path, _meta(reader, "general.architecture"))
+
+
 def _check_magic(path: str) -> None:
     try:
         with open(path, "rb") as f:

@@ -164,7 +164,7 @@ class LlamaForCausalLM:
             if isinstance(obj, torch.Tensor):
                 seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
                 return
-            for name in ("weight", "weight_bf16", "bias", "codes", "scales", "mins", "parts"):
+            for name in ("weight", "weight_bf16", "bias", "codes", "scales", "mins", "parts", "inner"):
                 value = getattr(obj, name, None)
                 for item in value if isinstance(value, list) else [value]:
                     add(item)

@@ -15,8 +15,8 @@ import torch
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.default_model import default_model_path
-from tokenmill.model.gguf_loader import GGUF_MAGIC, load_gguf
-from tokenmill.model.hf_loader import load_hf
+from tokenmill.model.gguf_loader import GGUF_MAGIC, load_gguf, read_gguf_config
+from tokenmill.model.hf_loader import load_hf, read_config
 from tokenmill.model.quant import QuantizedWeight
 
 
@@ -51,6 +51,14 @@ def load_weights(path: str | None) -> LoadedWeights:
         raise ModelLoadError(source, "not a GGUF file and not a folder with config.json")
     check_weights(config, weights, source)
     return LoadedWeights(config=config, weights=weights, source=source, kind=kind, gguf_types=types)
+
+
+def read_model_config(path: str | None) -> ModelConfig:
+    """The model's hyper-parameters without loading its weights (for checks before a long load)."""
+    source = default_model_path() if path is None else os.path.expanduser(str(path))
+    if os.path.isdir(source):
+        return read_config(source)
+    return read_gguf_config(source)
 
 
 def _has_gguf_magic(path: str) -> bool:

@@ -74,6 +74,23 @@ class QuantizedWeight:
     def permute_rows(self, order: torch.Tensor) -> QuantizedWeight:
         return self.rows(order)
 
+    def row_slice(self, start: int, end: int) -> QuantizedWeight:
+        """Output rows [start, end) (a column-parallel shard): the same bytes, no re-quantization."""
+        mins = None if self.mins is None else self.mins[start:end].contiguous()
+        return QuantizedWeight(self.codes[start:end].contiguous(), self.scales[start:end].contiguous(), mins,
+                               self.bits, self.kind)
+
+    def column_slice(self, start: int, end: int) -> QuantizedWeight:
+        """Inputs [start, end) (a row-parallel shard); both ends on a group boundary, so every group
+        keeps its own scale and the shard holds exactly the file's numbers."""
+        if start % GROUP or end % GROUP:
+            raise ValueError(f"columns [{start}, {end}) do not start and end on groups of {GROUP}")
+        g0, g1 = start // GROUP, end // GROUP
+        per_byte = 2 if self.bits == 4 else 1
+        codes = self.codes[:, start // per_byte : end // per_byte].contiguous()
+        mins = None if self.mins is None else self.mins[:, g0:g1].contiguous()
+        return QuantizedWeight(codes, self.scales[:, g0:g1].contiguous(), mins, self.bits, self.kind)
+
 
 @dataclass
 class BlockedWeight:

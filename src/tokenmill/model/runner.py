@@ -71,6 +71,9 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden[self._logit_rows(chunks, order, last_rows)])
 
+    def shutdown(self) -> None:
+        """Nothing to release here; a tensor-parallel runner (parallel/runner.py) stops its other ranks."""
+
     @staticmethod
     def _logit_rows(chunks: list[SeqChunk], order: list[int], last_rows: list[int]) -> torch.Tensor:
         """Hidden rows to turn into logits, in the caller's chunk order: every row of an `all_logits`

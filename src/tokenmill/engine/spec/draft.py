@@ -21,6 +21,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Request
 from tokenmill.errors import InvalidRequest
 from tokenmill.kvcache.page_pool import PagePool
+from tokenmill.model.builder import build_model
 from tokenmill.model.default_model import default_model_path
 from tokenmill.model.runner import ModelRunner, SeqChunk
 from tokenmill.sample.logprobs import fast_argmax
@@ -152,8 +153,6 @@ def build_draft_proposer(config: EngineConfig, target_vocab_size: int) -> DraftM
         config.precision, config.quantization
     ):
         logger.warning("the draft is the target itself at the same precision: it will accept everything and save nothing")
-    from tokenmill.engine.factory import build_model  # the factory imports the engine, which imports this
-
     # The target's pool size: a draft never holds more positions than its request plus k. The tensors
     # are torch.empty, so only pages ever written become resident.
     built = build_model(path, spec.draft_precision, spec.draft_quantization, config.bf16_min_rows,

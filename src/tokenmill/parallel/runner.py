@@ -1,0 +1,69 @@
+"""Runs one engine step on every tensor-parallel rank at once.
+
+Rank 0 owns the scheduler: its runner broadcasts each step's chunks (msgpack) and then runs the model
+like any runner; every other rank waits for the chunks, prepares the same flat batch (the page ids
+are the same on every rank: each rank's pool has the same pages, holding only its own KV heads) and
+runs its shard, meeting rank 0 at each layer's all-reduce. Logits come back on every rank; only rank
+0 samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import msgspec
+import torch
+
+from tokenmill.model.runner import ModelRunner, SeqChunk
+from tokenmill.parallel.process_group import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_chunks = msgspec.msgpack.Decoder(list[SeqChunk]).decode
+STOP = b""  # an empty step: the ranks leave their loop
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: the engine calls `execute` as on a ModelRunner."""
+
+    def __init__(self, inner: ModelRunner, group: TensorParallelGroup,
+                 workers: list[subprocess.Popen] | None = None) -> None:
+        self.inner = inner
+        self.group = group
+        self.workers = workers or []  # ranks this process started (this node's), stopped with it
+        self.model = inner.model
+        self.page_size, self.num_pages, self.kv_caches = inner.page_size, inner.num_pages, inner.kv_caches
+        self._closed = False
+
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        self.group.broadcast_bytes(_encode(chunks))
+        return self.inner.execute(chunks)
+
+    def shutdown(self) -> None:
+        """Tells the other ranks to stop, and waits for the ones this process started."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.group.broadcast_bytes(STOP)
+        except RuntimeError as exc:  # a rank already gone: nothing left to tell it
+            logger.warning("tensor-parallel stop not delivered: %s", exc)
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.group.close()
+
+
+def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> int:
+    """A rank > 0's life: run each step rank 0 broadcasts until it says stop. Returns the steps run."""
+    steps = 0
+    while True:
+        payload = group.broadcast_bytes(b"")
+        if payload == STOP:
+            return steps
+        runner.execute(_decode_chunks(payload))
+        steps += 1

@@ -1,0 +1,117 @@
+"""Which slice of each weight a tensor-parallel rank holds (Megatron's layout, as vLLM and SGLang use).
+
+- Column-parallel (output rows split): q/k/v by heads, gate/up by the intermediate size. Each rank
+  computes its own heads' attention end to end, over its own KV heads' pages.
+- Row-parallel (input columns split): o_proj and down; each rank's product is a partial sum, added
+  up by one all-reduce per layer each (parallel/layers.py).
+- Vocabulary-parallel: the embedding and the lm_head by vocabulary rows; a lookup is a masked
+  lookup plus an all-reduce, logits an all-gather.
+
+Quantized weights are sliced in their packed form (whole groups of 32 along the input), before any
+re-layout for a kernel, so each rank holds exactly the file's numbers for its slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from tokenmill.errors import InvalidRequest
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.quant import GROUP, QuantizedWeight
+from tokenmill.parallel.layers import AllReduceLinear, VocabParallelEmbedding, VocabParallelLMHead
+from tokenmill.parallel.process_group import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
+    """Refuses a size that does not divide the heads, KV heads and intermediate size, naming the
+    sizes that would work."""
+    dims = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads,
+            "intermediate size": config.intermediate_size}
+    bad = [f"{name} ({value})" for name, value in dims.items() if value % size]
+    if not bad:
+        return
+    works = [n for n in range(1, config.num_heads + 1) if all(v % n == 0 for v in dims.values())]
+    raise InvalidRequest(
+        f"tensor_parallel_size {size} does not divide the model's {', '.join(bad)}; sizes that work for "
+        f"this model: {', '.join(map(str, works))}", param="tensor_parallel_size",
+    )
+
+
+def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The vocabulary rows rank `rank` holds: equal shares (the last one shorter when it doesn't divide)."""
+    share = -(-vocab_size // world_size)
+    return min(rank * share, vocab_size), min((rank + 1) * share, vocab_size)
+
+
+def _rows(w: Weight, start: int, end: int) -> Weight:
+    return w.row_slice(start, end) if isinstance(w, QuantizedWeight) else w[start:end].contiguous()
+
+
+def _columns(w: Weight, start: int, end: int) -> Weight:
+    if not isinstance(w, QuantizedWeight):
+        return w[:, start:end].contiguous()
+    if start % GROUP == 0 and end % GROUP == 0:
+        return w.column_slice(start, end)
+    # A shard boundary inside a quantization group: that group's scale belongs to both sides, so
+    # this shard can't stay packed. Dense fp32 keeps its values exact (fast mode requantizes it).
+    logger.warning("shard [%d, %d) splits groups of %d: dequantized to fp32", start, end, GROUP)
+    return w.dequantize(torch.float32)[:, start:end].contiguous()
+
+
+class TensorParallelShard:
+    """Rank `group.rank`'s part of the model (the ModelShard that model/builder.py takes)."""
+
+    def __init__(self, group: TensorParallelGroup) -> None:
+        self.group = group
+        self.rank, self.size = group.rank, group.world_size
+
+    def shard_config(self, config: ModelConfig) -> ModelConfig:
+        check_tensor_parallel_size(config, self.size)
+        return dataclasses.replace(config, num_heads=config.num_heads // self.size,
+                                   num_kv_heads=config.num_kv_heads // self.size,
+                                   intermediate_size=config.intermediate_size // self.size)
+
+    def shard_weights(self, config: ModelConfig, weights: dict) -> dict:
+        check_tensor_parallel_size(config, self.size)
+        r, n, d = self.rank, self.size, config.head_dim
+        q = config.num_heads * d // n
+        kv = config.num_kv_heads * d // n
+        inter = config.intermediate_size // n
+        v0, v1 = vocab_range(config.vocab_size, r, n)
+        out: dict = {}
+        for name, w in weights.items():
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                out[name] = _rows(w, r * q, (r + 1) * q)
+            elif name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+                out[name] = _rows(w, r * kv, (r + 1) * kv)
+            elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+                out[name] = _rows(w, r * inter, (r + 1) * inter)
+            elif name.endswith("o_proj.weight"):
+                out[name] = _columns(w, r * q, (r + 1) * q)
+            elif name.endswith("down_proj.weight"):
+                out[name] = _columns(w, r * inter, (r + 1) * inter)
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                out[name] = _rows(w, v0, v1)
+            else:  # norms (per hidden unit or per head dimension): every rank needs all of them
+                out[name] = w
+        return out
+
+    def parallelize(self, model: LlamaForCausalLM) -> None:
+        for layer in model.layers:
+            layer.o_proj = AllReduceLinear(layer.o_proj, self.group)
+            layer.down = AllReduceLinear(layer.down, self.group)
+        v0, v1 = vocab_range(model.config.vocab_size, self.rank, self.size)
+        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, v0, v1, self.group)
+        share = -(-model.config.vocab_size // self.size)
+        model.lm_head = VocabParallelLMHead(model.lm_head, share, model.config.vocab_size, self.group)
+        # The one-call decode step and bf16 activations between GEMMs assume whole layers on one rank.
+        model.fused_decode = False
+        model.bf16_rows = None

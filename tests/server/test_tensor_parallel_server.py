@@ -1,0 +1,88 @@
+"""The whole server with tensor parallelism (TP=3 on the bundled model, one thread a rank): greedy
+output equal to the offline single-rank engine's, streaming, abort mid-stream, the prefix cache and
+structured output; and no rank outlives the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from tests.frontend.conftest import bundled_gguf_path
+from tests.real_model import make_llm
+from tests.server.server_process import ServerProcess, alive
+from tokenmill.sample.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed"),
+]
+PROMPT = "The history of the printing press begins"
+
+
+def tp_workers() -> list[int]:
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"tokenmill.parallel.worker" in f.read():
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def server():
+    before = set(tp_workers())
+    srv = ServerProcess("--tensor-parallel-size", "3")
+    try:
+        srv.wait_ready()
+        srv.tp_workers = [p for p in tp_workers() if p not in before]
+        yield srv
+    finally:
+        srv.stop()
+    assert len(srv.tp_workers) == 2
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in srv.tp_workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in srv.tp_workers), "a tensor-parallel rank outlived the server"
+
+
+def complete(server, **body) -> dict:
+    resp = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "temperature": 0, **body}, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_greedy_text_equals_one_ranks(server):
+    expected = make_llm(num_threads=1).generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))[0]
+    assert complete(server, max_tokens=24)["choices"][0]["text"] == expected.outputs[0].text
+
+
+def test_streaming_abort_and_the_prefix_cache(server):
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=300) as resp:
+        chunks = 0
+        for line in resp.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks == 3:
+                break  # the client goes away mid-stream: the engine aborts and frees its pages
+    long_prompt = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(20))
+    first = complete(server, prompt=long_prompt, max_tokens=4)
+    again = complete(server, prompt=long_prompt, max_tokens=4)
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+
+
+def test_structured_output(server):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "Name a city as JSON."}], "max_tokens": 60, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}})
+    assert resp.status_code == 200, resp.text
+    assert isinstance(json.loads(resp.json()["choices"][0]["message"]["content"])["city"], str)
