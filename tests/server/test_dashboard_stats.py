@@ -158,9 +158,33 @@ def test_feed_turns_two_stats_messages_into_rates_on_the_schedulers_clock():
     assert abs(rates["generation_tokens_per_s"] - 100.0) < 1e-9  # 50 tokens in 0.5 s of the scheduler's clock
     assert abs(rates["mean_step_ms"] - 40.0) < 1e-9 and abs(rates["busy"] - 0.8) < 1e-9
     assert rates["prefix_cache_hit_rate"] == 1.0  # this interval's queries all hit
-    assert snap["engine"]["step"]["decode_rows"] == 2 and snap["replicas"] == [snap["engine"]]
+    assert snap["engine"]["step"]["decode_rows"] == 2
+    assert snap["replicas"] == [snap["engine"] | {"replica": 0, "live": True}]
     clock[0] = 5.0  # no message for a while: the engine went idle, the burst is over
     assert feed.snapshot()["engine"]["rates"]["generation_tokens_per_s"] == 0.0
+
+
+def test_feed_gives_each_data_parallel_replica_its_own_panel_and_rates():
+    class Router:
+        def __init__(self) -> None:
+            self.stats: list[SchedulerStats | None] = [None, None]
+
+        def replica_stats(self) -> list[tuple[int, bool, SchedulerStats | None]]:
+            return [(0, True, self.stats[0]), (1, False, self.stats[1])]
+
+    clock = [0.0]
+    router = Router()
+    feed = DashboardFeed(_Manager, interval_s=0.25, clock=lambda: clock[0], replicas=lambda: router)
+    assert feed.snapshot()["replicas"] == [{"replica": 0, "live": True}, {"replica": 1, "live": False}]
+    router.stats = [_stats(1.0, gen=10, steps=1, step_time=0.1), _stats(7.0, gen=500, steps=5, step_time=0.5)]
+    clock[0] = 0.3
+    feed.snapshot()
+    router.stats[0] = _stats(2.0, gen=30, steps=3, step_time=0.3)  # replica 1 sent nothing new
+    clock[0] = 0.6
+    first, second = feed.snapshot()["replicas"]
+    assert first["replica"] == 0 and first["rates"]["generation_tokens_per_s"] == 20.0  # on replica 0's clock
+    assert second["live"] is False and second["rates"]["generation_tokens_per_s"] == 0.0
+    assert second["generation_tokens_total"] == 500
 
 
 def test_feed_links_the_slowest_requests_to_their_timelines():

@@ -235,7 +235,7 @@ def build_app(
     async def detokenize(raw: Request) -> Response:
         return await server.tokens.detokenize(raw)
 
-    install_dashboard(app, lambda: server.manager, config.api_key)  # GET /dashboard (dashboard.py)
+    install_dashboard(app, lambda: server.manager, config.api_key, lambda: server.replicas)  # dashboard.py
     return app
 
 

@@ -74,8 +74,9 @@ class DashboardStreams:
             self.open -= 1
 
 
-def install_dashboard(app: FastAPI, manager: Callable[[], Any], api_key: str | None) -> DashboardFeed:
-    feed = DashboardFeed(manager)
+def install_dashboard(app: FastAPI, manager: Callable[[], Any], api_key: str | None,
+                      replicas: Callable[[], Any] = lambda: None) -> DashboardFeed:
+    feed = DashboardFeed(manager, replicas=replicas)
     streams = DashboardStreams(feed)
     auth = [Depends(dashboard_auth(api_key))]
 

@@ -74,21 +74,39 @@ def _rates(s: SchedulerStats, prev: SchedulerStats | None) -> dict[str, float | 
     }
 
 
+class _StatsTrack:
+    """The last two distinct stats messages of one engine (or the sum of all), and when this process
+    first saw the newest: `view` gives no rates once that is older than STALE_AFTER_S."""
+
+    def __init__(self) -> None:
+        self.stats: SchedulerStats | None = None
+        self.prev: SchedulerStats | None = None
+        self.seen_at = 0.0
+
+    def view(self, stats: SchedulerStats | None, now: float) -> dict[str, Any] | None:
+        if stats is None:
+            return None
+        if stats is not self.stats:
+            self.prev, self.stats, self.seen_at = self.stats, stats, now
+        fresh = now - self.seen_at <= STALE_AFTER_S
+        return engine_view(stats, self.prev if fresh else None) | {"age_s": now - self.seen_at}
+
+
 class DashboardFeed:
-    """Builds the snapshot the page draws; `manager` returns the live TokenizerManager (or a fake)."""
+    """Builds the snapshot the page draws; `manager` returns the live TokenizerManager (or a fake),
+    `replicas` the data-parallel router (`replica_stats()`: (index, live, stats) each) or None."""
 
     def __init__(self, manager: Callable[[], Any], interval_s: float = DEFAULT_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, replicas: Callable[[], Any] = lambda: None) -> None:
         self.manager = manager
+        self.replicas = replicas
         self.interval_s = interval_s
         self.clock = clock
         self.seq = 0
         self._built_at: float | None = None
         self._snapshot: dict[str, Any] = {}
-        # The last two distinct stats messages, and when this process first saw the newest.
-        self._stats: SchedulerStats | None = None
-        self._prev: SchedulerStats | None = None
-        self._seen_at = 0.0
+        self._total = _StatsTrack()
+        self._per_replica: dict[int, _StatsTrack] = {}
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()
@@ -99,14 +117,7 @@ class DashboardFeed:
 
     def _build(self, now: float) -> dict[str, Any]:
         manager = self.manager()
-        stats = getattr(manager, "stats", None)
-        if stats is not None and stats is not self._stats:
-            self._prev, self._stats, self._seen_at = self._stats, stats, now
-        engine = None
-        if stats is not None:
-            fresh = now - self._seen_at <= STALE_AFTER_S
-            engine = engine_view(stats, self._prev if fresh else None)
-            engine["age_s"] = now - self._seen_at
+        engine = self._total.view(getattr(manager, "stats", None), now)
         live = getattr(manager, "live", None)
         latency = live.summary() if live is not None else None
         limits = getattr(manager, "limits", None)
@@ -119,11 +130,22 @@ class DashboardFeed:
             "status": "draining" if getattr(manager, "draining", False) else manager.status.value,
             "queued_frontend": getattr(manager, "num_queued", 0),
             "engine": engine,
-            # One entry per engine; data parallelism (--data-parallel-size) will list each replica
-            # here, and the page draws a panel per entry once there is more than one.
-            "replicas": [engine] if engine is not None else [],
+            # One entry per engine (with --data-parallel-size, each replica's own stats and rates);
+            # the page draws a panel per entry once there is more than one.
+            "replicas": self._replica_views(now, engine),
             "latency": _latency_view(latency, now) if latency is not None else None,
         }
+
+
+    def _replica_views(self, now: float, engine: dict[str, Any] | None) -> list[dict[str, Any]]:
+        router = self.replicas()
+        if router is None:
+            return [] if engine is None else [engine | {"replica": 0, "live": True}]
+        views = []
+        for index, live, stats in router.replica_stats():
+            view = self._per_replica.setdefault(index, _StatsTrack()).view(stats, now)
+            views.append((view or {}) | {"replica": index, "live": live})
+        return views
 
 
 def _latency_view(summary: dict[str, Any], now: float) -> dict[str, Any]:

@@ -192,14 +192,15 @@
     section.style.display = "block";
     const list = $("replica-list");
     list.replaceChildren();
-    replicas.forEach((r, i) => {
+    for (const r of replicas) {
       const div = document.createElement("div");
       div.className = "tile";
-      div.textContent = "replica " + i + ": " + r.running + " running, " + r.waiting + " waiting, KV " +
-        fmtPct(r.kv_pages_total ? r.kv_pages_in_use / r.kv_pages_total : null) + ", " +
-        fmtNum(r.rates.generation_tokens_per_s, 0) + " tok/s";
+      const name = "replica " + r.replica + (r.live ? "" : " (down)") + ": ";
+      div.textContent = name + (r.rates === undefined ? "no stats yet" : r.running + " running, " + r.waiting +
+        " waiting, " + r.preempted + " preempted, KV " + fmtPct(r.kv_pages_total ? r.kv_pages_in_use / r.kv_pages_total : null) +
+        " in use, " + fmtNum(r.rates.generation_tokens_per_s, 1) + " tok/s, step " + fmtNum(r.step.time_ms, 1) + " ms");
       list.appendChild(div);
-    });
+    }
   }
 
   function render(snap) {
