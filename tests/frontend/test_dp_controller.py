@@ -221,6 +221,9 @@ def test_a_dead_replica_fails_its_requests_and_new_ones_go_to_the_live_one():
         failed = [router._queue.get_nowait() for _ in range(3)]
         assert sorted(m.request_id for m in failed) == ["a-0", "a-1", "c-0"]
         assert all(isinstance(m, RequestFailed) and m.status == 503 and "replica 0" in m.message for m in failed)
+        # ... and are aborted there, in case its scheduler outlived its detokenizer
+        assert [m.request_id for m in router.replicas[0].sender.sent[3:]] == ["a-0", "a-1", "c-0"]
+        assert all(isinstance(m, AbortRequest) for m in router.replicas[0].sender.sent[3:])
         assert router.num_live == 1 and dead == []
         for rid in ("d-0", "e-0"):
             router.send(add(rid))

@@ -31,6 +31,7 @@ import zmq.asyncio
 from tokenmill.frontend.dp_controller import PrefixAware, ReplicaLoad, make_policy
 from tokenmill.ipc.channels import MAIN, SCHEDULER, AsyncReceiver, IpcPaths, Sender
 from tokenmill.ipc.messages import (
+    AbortRequest,
     AddRequest,
     DetokenizerReady,
     ProcessFailed,
@@ -234,6 +235,8 @@ class DataParallelRouter:
         logger.error("%s; %d request(s) on it end with an error, %d replica(s) still serve",
                      reason, len(replica.rids), self.num_live)
         for rid in sorted(replica.rids):
+            # If only its detokenizer died, the scheduler would go on generating for nobody.
+            replica.sender.send(AbortRequest(rid))
             self._queue.put_nowait(RequestFailed(rid, f"request ended: {reason}", 503))
             self._done(rid)
         self._queue.put_nowait(self.total_stats())
