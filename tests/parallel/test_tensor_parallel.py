@@ -71,3 +71,26 @@ def test_three_ranks_on_the_bundled_model_match_transformers():
     short, long_ = cases()[0], max(cases(), key=lambda c: len(c[0]))
     with LLM(precision="exact", num_threads=3, tensor_parallel_size=3, max_num_batched_tokens=256) as llm:
         assert_all_match(llm, [short, long_, cases()[-1]])
+
+
+def test_a_second_node_lends_its_rank_from_the_command_line(tmp_path):
+    # Two "machines" on loopback: this process is node 0 (rank 0 and the engine); `tokenmill serve
+    # --node-rank 1` runs rank 1 and no server, and exits when node 0 stops the group.
+    from tests.server.server_process import free_port, tokenmill_command
+
+    folder = str(make_tiny_model(tmp_path, "llama"))
+    port = free_port()
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port)]
+    # Node 1's own pool size and precision would lay out other pages: it takes node 0's settings.
+    node1 = subprocess.Popen([*tokenmill_command(), "serve", "--model", folder, "--kv-cache-tokens", "16",
+                              "--num-threads", "1", "--node-rank", "1", *flags])
+    try:
+        one = LLM(folder, precision="exact", num_threads=1, kv_cache_tokens=1024)
+        expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY)]
+        with LLM(folder, precision="exact", num_threads=1, kv_cache_tokens=1024, tensor_parallel_size=2,
+                 nnodes=2, master_port=port) as llm:
+            assert llm.engine.runner.workers == []  # rank 1 is node 1's
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+        assert node1.wait(timeout=30) == 0
+    finally:
+        node1.kill()

@@ -65,6 +65,7 @@ def build_rank0(config: EngineConfig) -> tuple[BuiltModel, TensorParallelRunner]
     workers = start_workers(config, range(1, config.ranks_per_node), str(log_level))
     try:
         group = TensorParallelGroup(0, config.tensor_parallel_size, Endpoint(config.master_addr, config.master_port))
+        group.broadcast_bytes(json.dumps(dataclasses.asdict(config)).encode())  # see rank_config
         built = build_model(config.model, config.precision, config.quantization, config.bf16_min_rows,
                             config.max_model_len, config.num_pages, config.page_size, TensorParallelShard(group))
     except BaseException:
@@ -72,6 +73,13 @@ def build_rank0(config: EngineConfig) -> tuple[BuiltModel, TensorParallelRunner]
             proc.kill()
         raise
     return built, TensorParallelRunner(built.runner, group, workers)
+
+
+def rank_config(local: EngineConfig, group: TensorParallelGroup) -> EngineConfig:
+    """A rank > 0 takes rank 0's settings (pool size, precision, ...: every rank must lay out the same
+    pages and the same layers), keeping its own model path and thread count, which are per machine."""
+    remote = json.loads(group.broadcast_bytes(b""))
+    return dataclasses.replace(EngineConfig.from_kwargs(**remote), model=local.model, num_threads=local.num_threads)
 
 
 def run_node_workers(config: EngineConfig, log_level: str) -> int:

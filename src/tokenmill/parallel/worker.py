@@ -17,7 +17,7 @@ import time
 from tokenmill.config import EngineConfig
 from tokenmill.ipc.lifecycle import child_process_setup, parent_alive
 from tokenmill.model.builder import build_model
-from tokenmill.parallel.launch import set_rank_threads
+from tokenmill.parallel.launch import rank_config, set_rank_threads
 from tokenmill.parallel.process_group import Endpoint, TensorParallelGroup
 from tokenmill.parallel.runner import serve_steps
 from tokenmill.parallel.sharding import TensorParallelShard
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     set_rank_threads(config)
     group = TensorParallelGroup(args.rank, config.tensor_parallel_size,
                                 Endpoint(config.master_addr, config.master_port))
+    config = rank_config(config, group)
     built = build_model(config.model, config.precision, config.quantization, config.bf16_min_rows,
                         config.max_model_len, config.num_pages, config.page_size, TensorParallelShard(group))
     try:
