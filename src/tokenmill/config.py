@@ -17,7 +17,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "least_requests", "least_tokens", "prefix
 @dataclass(frozen=True)
 class DataParallelConfig:
     """`tokenmill serve --data-parallel-size N`: N scheduler processes, each a whole engine with its
-    own KV pool, behind one HTTP front end. Server-only: the offline LLM runs one engine in-process."""
+    own KV pool, behind one HTTP front end (the offline LLM: N engine processes, llm_data_parallel.py)."""
 
     size: int = 1
     load_balance_method: str = "round_robin"
@@ -204,13 +204,6 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         known = {f.name for f in fields(cls)}
-        if kwargs.get("data_parallel_size", 1) != 1:
-            raise InvalidRequest(
-                "data_parallel_size is server-only: the offline LLM runs one engine in this process; use "
-                "`tokenmill serve --data-parallel-size N` (N engine processes behind one HTTP front end)",
-                param="data_parallel_size",
-            )
-        kwargs.pop("data_parallel_size", None)
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise InvalidRequest(f"unknown engine argument(s): {', '.join(unknown)}", param=unknown[0])

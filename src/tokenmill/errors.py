@@ -18,6 +18,9 @@ class InvalidRequest(TokenmillError, ValueError):
         self.message = message
         self.param = param
 
+    def __reduce__(self):  # across processes (data-parallel replicas) with its param
+        return type(self), (self.message, self.param)
+
 
 class ModelLoadError(TokenmillError):
     """A model that cannot be loaded: names the file and the problem."""
@@ -26,3 +29,6 @@ class ModelLoadError(TokenmillError):
         super().__init__(f"cannot load model from {path}: {problem}")
         self.path = path
         self.problem = problem
+
+    def __reduce__(self):
+        return type(self), (self.path, self.problem)

@@ -30,7 +30,16 @@ PROGRESS_BAR_MIN_PROMPTS = 16
 
 
 class LLM:
+    def __new__(cls, model: str | None = None, **engine_args: Any) -> LLM:
+        if cls is LLM and engine_args.get("data_parallel_size", 1) != 1:
+            # N engines in N processes (entrypoints/llm_data_parallel.py), the same API
+            from tokenmill.entrypoints.llm_data_parallel import DataParallelLLM
+
+            return super().__new__(DataParallelLLM)
+        return super().__new__(cls)
+
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        engine_args.pop("data_parallel_size", None)  # 1 here (see __new__)
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         self.engine: EngineCore = build_engine_core(self.config)
         self.tokenizer = Tokenizer.from_model_path(model or default_model_path())
