@@ -61,6 +61,10 @@ def test_tokenizer_workers_serve_bound_admission_and_exit_with_the_server():
         chat = httpx.post(f"{url}/v1/chat/completions", timeout=120,
                           json={"model": model, "messages": CHAT, "max_tokens": 3, "temperature": 0})
         assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(counted["tokens"])
+        # The template ran in a worker: its durations are reported, its stamps (another clock) are not.
+        seq = httpx.get(f"{url}/v1/requests/{chat.json()['id']}/timeline", timeout=30).json()["sequences"][0]
+        assert seq["tokenizer"]["in_worker_process"] is True and seq["tokenizer"]["template_render_s"] > 0
+        assert seq["frontend"]["template_rendered"] is None and seq["frontend"]["tokenized"] > 0
 
         huge = httpx.post(f"{url}/v1/completions", timeout=60,
                           json={"model": model, "prompt": "word " * 200_000, "max_tokens": 1})  # 1 MB
