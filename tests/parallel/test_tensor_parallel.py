@@ -94,3 +94,31 @@ def test_a_second_node_lends_its_rank_from_the_command_line(tmp_path):
         assert node1.wait(timeout=30) == 0
     finally:
         node1.kill()
+
+
+def test_data_and_tensor_parallel_together_serve_from_every_replica(tmp_path):
+    import httpx
+
+    from tests.server.server_process import ServerProcess
+    from tests.server.test_tensor_parallel_server import tp_workers
+
+    folder = str(make_tiny_model(tmp_path, "llama"))
+    before = set(tp_workers())
+    # Each replica's scheduler is rank 0 of its own TP group, on its own free port.
+    srv = ServerProcess("--model", folder, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                        "--num-threads", "4")
+    try:
+        srv.wait_ready()
+        workers = [p for p in tp_workers() if p not in before]
+        assert len(workers) == 2
+        replicas, texts = set(), set()
+        for _ in range(4):
+            resp = httpx.post(f"{srv.url}/v1/completions", timeout=120,
+                              json={"prompt": "hello world", "max_tokens": 8, "temperature": 0})
+            assert resp.status_code == 200, resp.text
+            replicas.add(resp.headers["x-tokenmill-replica"])
+            texts.add(resp.json()["choices"][0]["text"])
+        assert replicas == {"0", "1"} and len(texts) == 1  # round robin; both groups compute the same
+    finally:
+        srv.stop()
+    assert all(_gone(p, 10) for p in workers), "a tensor-parallel rank outlived the server"
