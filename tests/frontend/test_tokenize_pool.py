@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from tokenmill.errors import InvalidRequest
-from tokenmill.frontend.tokenize_pool import TokenizePool, chat_prompt_ids, run_tokenizer
+from tokenmill.frontend.chat_prompt_timing import timed_chat_prompt_ids
+from tokenmill.frontend.tokenize_pool import TokenizePool, run_tokenizer
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.frontend.tokenizer_manager import RequestError
 
@@ -55,14 +56,14 @@ def test_pool_matches_thread_survives_a_crash_and_closes(smol_tokenizer: Tokeniz
         text = "Ünïcode, spaces    and\n#### marks <|im_start|>"
         assert await run_tokenizer(manager, Tokenizer.encode, text) == await run_tokenizer(
             thread_manager, Tokenizer.encode, text) == smol_tokenizer.encode(text)
-        ids = await run_tokenizer(manager, chat_prompt_ids, CHAT, 8192, add_generation_prompt=True)
+        ids, _ = await run_tokenizer(manager, timed_chat_prompt_ids, CHAT, 8192, add_generation_prompt=True)
         assert ids == smol_tokenizer.apply_chat_template(CHAT)
 
         with pytest.raises(InvalidRequest) as bad:  # a user error crosses the process boundary intact
-            await run_tokenizer(manager, chat_prompt_ids, [], 8192)
+            await run_tokenizer(manager, timed_chat_prompt_ids, [], 8192)
         assert bad.value.param == "messages"
         with pytest.raises(RequestError) as long:
-            await run_tokenizer(manager, chat_prompt_ids, [{"role": "user", "content": "x" * 900_000}], 8192)
+            await run_tokenizer(manager, timed_chat_prompt_ids, [{"role": "user", "content": "x" * 900_000}], 8192)
         assert (long.value.status, long.value.code, long.value.param) == (400, "context_length_exceeded", "messages")
 
         with pytest.raises(RequestError) as died:

@@ -1,8 +1,8 @@
 """A chat's prompt ids with the time its template took, for the request's timeline.
 
 Rendering a template and encoding its text are separate stages of a request (a long conversation with
-tools can spend more in Jinja than in the tokenizer), so the chat path calls this instead of
-tokenize_pool.chat_prompt_ids: the same three steps, stamped. It may run in a thread of the API process
+tools can spend more in Jinja than in the tokenizer), so the chat path renders, checks the length
+bound and encodes here, stamping each step. It may run in a thread of the API process
 or in a --tokenizer-workers process, so it reports what it measured with its process id
 (request_timelines.timed_prompt) and the API process decides which stamps it can use.
 """

@@ -52,13 +52,6 @@ def check_length_bound(tokenizer: Tokenizer, text: str, max_model_len: int, para
         )
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: Any, max_model_len: int, **template_args: Any) -> list[int]:
-    """Tokenizer.apply_chat_template with the length bound checked between rendering and encoding."""
-    text = tokenizer.render_chat(messages, **template_args)
-    check_length_bound(tokenizer, text, max_model_len, "messages")
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 async def run_tokenizer(manager: Any, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """fn(tokenizer, *args, **kwargs) off the event loop: in the manager's worker pool if it has one
     (`tokenize_pool`, set by the server for --tokenizer-workers), else in a thread (also for test
