@@ -41,6 +41,12 @@ def test_page_and_script_ship_in_the_package_and_load_nothing_from_elsewhere():
     assert _static("dashboard.html") == page.text and _static("dashboard.js") == script.text
 
 
+def test_the_dashboard_stays_out_of_the_openapi_spec():
+    app, _ = fake_app()
+    paths = client_of(app).get("/openapi.json").json()["paths"]
+    assert not [p for p in paths if "dashboard" in p]  # an endless stream would hang spec-driven clients
+
+
 def test_snapshot_without_engine_stats_yet():
     app, _ = fake_app()
     snap = client_of(app).get("/v1/dashboard/snapshot").json()

@@ -89,11 +89,13 @@ def install_dashboard(app: FastAPI, manager: Callable[[], Any], api_key: str | N
     async def dashboard_script() -> Response:
         return Response(_static("dashboard.js"), media_type="text/javascript; charset=utf-8")
 
-    @app.get("/v1/dashboard/snapshot", dependencies=auth)
+    # Not in /openapi.json: the operator's page and its feed, not the API clients program against (and
+    # an endless event stream is no operation a spec-driven client can call and check).
+    @app.get("/v1/dashboard/snapshot", dependencies=auth, include_in_schema=False)
     async def dashboard_snapshot() -> JSONResponse:
         return JSONResponse(feed.snapshot())
 
-    @app.get("/v1/dashboard/stream", dependencies=auth)
+    @app.get("/v1/dashboard/stream", dependencies=auth, include_in_schema=False)
     async def dashboard_stream() -> Response:
         if streams.open >= MAX_STREAMS:
             raise RequestError(f"{MAX_STREAMS} dashboard streams are open already; close one", 429,
