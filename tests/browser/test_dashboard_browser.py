@@ -101,7 +101,7 @@ def read_events(server: ServerProcess, seconds: float) -> list[dict]:
 def test_the_stream_follows_the_load(server):
     assert httpx.get(f"{server.url}/v1/dashboard/snapshot", timeout=30).status_code == 401
     with Load(server) as load:
-        events = read_events(server, 12.0)
+        events = read_events(server, 8.0)
     assert not load.failures and load.done >= 4
     engines = [e["engine"] for e in events if e["engine"] is not None]
     assert len(events) >= 20  # four a second, whatever the engine is doing
@@ -163,7 +163,7 @@ def test_the_page_draws_the_live_load_in_chromium(server, tmp_path):
                 wait_until(lambda: page.query_selector("#slowest-table a") is not None
                            and page.query_selector("#prefix-table td.empty") is None, 60,
                            "a slowest request and a shared prefix")
-                time.sleep(8)  # some seconds of history on the charts
+                time.sleep(3)  # some history on the charts (8 s for the docs' picture)
                 after = number(page.inner_text("#gen-total"))
                 page.click("#slowest-table a")
                 wait_until(lambda: "engine: queue" in page.inner_text("#timeline-body"), 30, "the timeline")
