@@ -60,7 +60,9 @@ class StepStats:
         for c in chunks:
             tokens += c.num_tokens
             if c.num_drafts or c.num_tokens == 1:
-                rows += 1  # a decode row, possibly carrying speculative drafts to verify
+                # A decode row, possibly with speculative drafts to verify. A prompt whose every
+                # page but the last token hit the cache also computes 1 token: it costs a row too.
+                rows += 1
                 drafts += c.num_drafts
             else:
                 prefill += c.num_tokens
