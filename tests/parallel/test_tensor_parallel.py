@@ -122,3 +122,21 @@ def test_data_and_tensor_parallel_together_serve_from_every_replica(tmp_path):
     finally:
         srv.stop()
     assert all(_gone(p, 10) for p in workers), "a tensor-parallel rank outlived the server"
+
+
+@pytest.mark.slow
+def test_three_ranks_in_fast_mode_keep_the_quantized_models_predictions():
+    # Fast mode: each rank runs the VNNI kernel on its packed slice of the Q4_1 weights. Row-parallel
+    # slices start on quantization groups, so activations are rounded in the same groups as on one
+    # rank; only the order of the final sums differs.
+    from tokenmill.model.runner import SeqChunk
+
+    ids = cases()[0][0] + cases()[-1][0]
+    chunk = SeqChunk(ids, 0, list(range(-(-len(ids) // 16))), sample=False, all_logits=True)
+    one = LLM(num_threads=1).engine.runner.execute([chunk])
+    with LLM(num_threads=3, tensor_parallel_size=3) as llm:
+        three = llm.engine.runner.execute([chunk])
+    assert three.shape == one.shape == (len(ids), 49152)
+    agree = (three.argmax(-1) == one.argmax(-1)).float().mean().item()
+    assert agree >= 0.97, agree
+    assert (three - one).abs().max().item() < 0.5
