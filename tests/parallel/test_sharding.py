@@ -59,3 +59,16 @@ def test_each_ranks_slices_put_together_are_the_whole_weights(tmp_path):
     part = TensorParallelShard(_Group(1, 2)).shard_config(mc)
     assert (part.num_heads, part.num_kv_heads, part.intermediate_size) == (2, 1, 64)
     assert (part.head_dim, part.vocab_size) == (mc.head_dim, mc.vocab_size)
+
+
+def test_serve_refuses_parallel_settings_that_cannot_work(capsys):
+    from tokenmill.entrypoints.cli import main
+
+    # Each data-parallel replica's TP group needs a port of its own.
+    assert main(["serve", "--data-parallel-size", "2", "--tensor-parallel-size", "3", "--master-port", "1234"]) == 2
+    assert "--master-port 0" in capsys.readouterr().err
+    assert main(["serve", "--tensor-parallel-size", "3", "--nnodes", "2"]) == 2
+    assert "multiple of nnodes" in capsys.readouterr().err
+    assert main(["serve", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "2",
+                 "--master-port", "1234"]) == 2
+    assert "node_rank must be in [0, 2)" in capsys.readouterr().err

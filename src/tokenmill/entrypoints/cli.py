@@ -167,6 +167,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not os.path.exists(model_path):
         print(f"error: no model at {model_path}", file=sys.stderr)
         return 2
+    if args.data_parallel_size > 1 and (engine.master_port or engine.nnodes > 1):
+        # Every replica's scheduler is rank 0 of its own TP group on its own port, on this machine.
+        print("error: with --data-parallel-size, tensor parallelism runs on one node with --master-port 0 "
+              "(each replica's group picks its own port)", file=sys.stderr)
+        return 2
     if engine.node_rank > 0:  # a machine that only lends its ranks to node 0's engine
         from tokenmill.parallel.launch import run_node_workers
 
