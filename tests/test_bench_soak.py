@@ -10,7 +10,7 @@ import platform
 import pytest
 
 from tokenmill.engine import memory_trim
-from tokenmill.engine.memory_trim import IdleTrimmer, kv_pool_ranges, write_kv_pool_map
+from tokenmill.engine.memory_trim import HeapTrimmer, kv_pool_ranges, write_kv_pool_map
 from tokenmill.entrypoints.bench_soak import PAGE, growth, parse_smaps, resident_in, sample_process
 
 SMAPS = """\
@@ -81,11 +81,11 @@ def test_sample_process_subtracts_the_kv_pool(tmp_path, monkeypatch):
     assert str(ranges[0][0]) in written
 
 
-def test_idle_trimmer_trims_once_per_busy_stretch(monkeypatch):
+def test_heap_trimmer_trims_once_per_busy_stretch(monkeypatch):
     calls = []
     monkeypatch.setattr(memory_trim, "malloc_trim", lambda: calls.append(1) or True)
     now = [100.0]
-    trimmer = IdleTrimmer(clock=lambda: now[0])
+    trimmer = HeapTrimmer(clock=lambda: now[0])
     trimmer.update(False)
     assert calls == []  # idle from the start: nothing to give back
     trimmer.update(True)
@@ -99,6 +99,17 @@ def test_idle_trimmer_trims_once_per_busy_stretch(monkeypatch):
     now[0] += memory_trim.MIN_TRIM_INTERVAL_S
     trimmer.update(False)
     assert len(calls) == 2 and trimmer.trims == 2
+
+
+def test_heap_trimmer_trims_each_interval_under_steady_load(monkeypatch):
+    calls = []
+    monkeypatch.setattr(memory_trim, "malloc_trim", lambda: calls.append(1) or True)
+    now = [0.0]
+    trimmer = HeapTrimmer(clock=lambda: now[0])
+    for _ in range(int(3.5 * memory_trim.BUSY_TRIM_INTERVAL_S)):  # a step a second, never idle
+        trimmer.update(True)
+        now[0] += 1.0
+    assert len(calls) == 3
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")

@@ -3,9 +3,10 @@ pool lives so a soak can tell the pool's resident pages from everything else.
 
 Why: per-step tensors of varying shapes (batch rows, prefill chunk lengths, attention metadata) are
 small and medium CPU allocations that glibc malloc serves from its heap and arenas; after a busy
-stretch the freed space stays resident until something trims it. `trim_when_idle` calls
-`malloc_trim(0)` once each time the engine goes from busy to idle (tens of ms at most, and only
-when nothing waits), so a burst's memory returns when it ends. The environment side (arena count,
+stretch the freed space stays resident until something trims it. `HeapTrimmer` calls
+`malloc_trim(0)` (which also gives back free pages inside the heap, not only at its top) each time
+the engine goes from busy to idle, so a burst's memory returns when it ends, and once a minute while
+it stays busy, so steady load cannot pile up free holes either (~20 ms a trim). The environment side (arena count,
 fixed mmap/trim thresholds) is set for the scheduler child in entrypoints/openai/processes.py.
 
 The KV pool is allocated with torch.empty: its pages become resident as they are first written
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 KV_POOL_DIR_ENV = "TOKENMILL_KV_POOL_DIR"
 # A busy/idle flip-flop (one request at a time, back to back) trims at most this often.
 MIN_TRIM_INTERVAL_S = 5.0
+# Under steady load: ~20 ms once a minute (0.03% of the time).
+BUSY_TRIM_INTERVAL_S = 60.0
 
 
 def _load_malloc_trim() -> Any:
@@ -53,25 +56,36 @@ def malloc_trim() -> bool:
     return bool(_malloc_trim is not None and _malloc_trim(0))
 
 
-class IdleTrimmer:
-    """Calls malloc_trim once per busy -> idle transition, at most every MIN_TRIM_INTERVAL_S."""
+class HeapTrimmer:
+    """Calls malloc_trim once per busy -> idle transition (at most every MIN_TRIM_INTERVAL_S), and
+    every BUSY_TRIM_INTERVAL_S while the engine stays busy: under steady load the engine never
+    idles, and per-step tensors of ever new shapes leave free but resident holes in the heap
+    (measured: +36 MB outside the KV pool over 5 minutes of a 64-stream soak without it)."""
 
     def __init__(self, clock: Any = time.monotonic) -> None:
         self._clock = clock
         self._was_busy = False
+        self._busy_from = 0.0  # the start of the busy stretch, or its last trim
         self._last = float("-inf")
         self.trims = 0
 
     def update(self, busy: bool) -> None:
-        if busy:
-            self._was_busy = True
-            return
         now = self._clock()
+        if busy:
+            if not self._was_busy:
+                self._was_busy, self._busy_from = True, now
+            elif now - self._busy_from >= BUSY_TRIM_INTERVAL_S:
+                self._busy_from = now
+                self._trim(now)
+            return
         if self._was_busy and now - self._last >= MIN_TRIM_INTERVAL_S:
             self._was_busy = False
-            self._last = now
-            self.trims += 1
-            malloc_trim()
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        self._last = now
+        self.trims += 1
+        malloc_trim()
 
 
 def kv_pool_ranges(kv_caches: Iterable[tuple[Any, ...]]) -> list[tuple[int, int]]:

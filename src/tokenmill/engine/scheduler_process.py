@@ -23,7 +23,7 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore, EngineOutput
-from tokenmill.engine.memory_trim import IdleTrimmer, write_kv_pool_map
+from tokenmill.engine.memory_trim import HeapTrimmer, write_kv_pool_map
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.step_stats import DASHBOARD_STATS, PrefixTreeSummary
 from tokenmill.errors import InvalidRequest
@@ -72,7 +72,7 @@ class SchedulerLoop:
         self._prefix_tree = PrefixTreeSummary()  # walks the radix tree every 2 s at most
 
     def run(self) -> None:
-        trimmer = IdleTrimmer()  # gives a busy stretch's freed heap back once the engine is idle
+        trimmer = HeapTrimmer()  # freed heap back to the OS when idle, and each minute under load
         while True:
             busy = self.engine.has_unfinished()
             trimmer.update(busy)
