@@ -1,7 +1,7 @@
 """`LLM(model, data_parallel_size=N)`: N whole engines, each in a process of its own with its own KV
 pool and `num_threads // N` threads, behind the one offline API.
 
-`generate` tokenizes here, hands each replica a share of the prompts (least tokens first: the longest
+`generate` tokenizes here (LLM's own), hands each replica a share of the prompts (least tokens first: the longest
 prompt + max_tokens goes to the replica with the fewest so far, so shares finish together) and puts the
 outputs back in the caller's order. A prompt's n samples stay on one replica (one request). Replicas
 are started with the `spawn` method: a script that builds this LLM at import time needs the usual
@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 from tokenmill.config import DataParallelConfig, EngineConfig
-from tokenmill.entrypoints.llm import LLM, PromptType, _as_params_list, _as_prompt_list
+from tokenmill.entrypoints.llm import LLM, PromptType
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.outputs import RequestOutput
 from tokenmill.frontend.tokenizer import Tokenizer
@@ -51,36 +50,25 @@ class DataParallelLLM(LLM):
             self.shutdown()
             raise
 
-    def generate(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool | None = None,
-    ) -> list[RequestOutput]:
-        prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
-        tokenized = [self._tokenize(p) for p in prompt_list]
+    def _run(self, results: list[RequestOutput], params_list: list[SamplingParams], show_progress: bool) -> None:
+        """LLM.generate's last step, across replicas: each runs its share, and its outputs are copied
+        into the caller's RequestOutputs (their ids and order stay the caller's)."""
         shares: list[list[int]] = [[] for _ in self.replicas]
         load = [0] * len(self.replicas)
-        size = [len(ids) + (p.max_tokens or 0) * p.n for (_, ids), p in zip(tokenized, params_list)]
-        for i in sorted(range(len(prompt_list)), key=lambda i: -size[i]):
+        size = [r.num_prompt_tokens + (p.max_tokens or 0) * p.n for r, p in zip(results, params_list)]
+        for i in sorted(range(len(results)), key=lambda i: -size[i]):
             r = load.index(min(load))
             shares[r].append(i)
             load[r] += size[i]
         futures = [
             (share, replica.submit(_on_replica, *self._start, "generate",
-                                   [{"prompt": tokenized[i][0], "prompt_token_ids": tokenized[i][1]} for i in share],
-                                   [params_list[i] for i in share], False))
+                                   [{"prompt": results[i].prompt, "prompt_token_ids": results[i].prompt_token_ids}
+                                    for i in share], [params_list[i] for i in share], False))
             for replica, share in zip(self.replicas, shares) if share
         ]
-        results: list[RequestOutput | None] = [None] * len(prompt_list)
         for share, future in futures:
             for i, out in zip(share, future.result()):
-                results[i] = out
-        first = next(self._ids)
-        for _ in range(len(prompt_list) - 1):
-            next(self._ids)
-        return [replace(out, request_id=str(first + i)) for i, out in enumerate(results) if out is not None]
+                results[i] = replace(out, request_id=results[i].request_id)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None):
         raise InvalidRequest("stream() runs one request, which one engine serves: use data_parallel_size 1",
