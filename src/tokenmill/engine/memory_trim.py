@@ -6,8 +6,9 @@ small and medium CPU allocations that glibc malloc serves from its heap and aren
 stretch the freed space stays resident until something trims it. `HeapTrimmer` calls
 `malloc_trim(0)` (which also gives back free pages inside the heap, not only at its top) each time
 the engine goes from busy to idle, so a burst's memory returns when it ends, and once a minute while
-it stays busy, so steady load cannot pile up free holes either (~20 ms a trim). The environment side (arena count,
-fixed mmap/trim thresholds) is set for the scheduler child in entrypoints/openai/processes.py.
+it stays busy, so steady load cannot pile up free holes either (~20 ms a trim). No malloc
+environment (arena count, fixed mmap/trim thresholds) is set: nothing measured showed it would help
+(docs/benchmarks.md, "Memory under load", also for a jemalloc run).
 
 The KV pool is allocated with torch.empty: its pages become resident as they are first written
 (and the prefix cache keeps them), so a process's RSS grows with KV use alone. With
