@@ -8,7 +8,8 @@ the KV pool (torch.empty: the pool's pages become resident as they are first wri
 cache keeps them, so RSS grows with KV use alone; each scheduler writes its pool's address ranges
 into $TOKENMILL_KV_POOL_DIR, engine/memory_trim.py). Growth is measured after a warm-up (the first 20%
 of the run): the exit status is 1 when any process's RSS outside the KV pool grew by more than
-`--max-growth` percent from the end of the warm-up to the end of the run.
+`--max-growth` percent from the end of the warm-up to the end of the run (means over the first and
+the last 10% of the run after the warm-up, see `growth`).
 
 Without `--url` the command starts `tokenmill serve` itself (`--server-args` are passed on); with
 `--url`, `--server-pid` names the running server's main process (its children are found by the
@@ -91,17 +92,24 @@ def sample_process(pid: int, kv_ranges: list[tuple[int, int]] | None) -> dict[st
             "anon": sum(m.anonymous for m in mappings) / MB, "kv": kv / MB, "outside_kv": (rss - kv) / MB}
 
 
-def growth(times: list[float], values: list[float], warmup_fraction: float) -> dict[str, float] | None:
-    """Growth after warm-up: from the first sample at or after `warmup_fraction` of the run to the last
-    sample, in MB and percent, plus the peak after warm-up. None with fewer than two such samples."""
+def growth(times: list[float], values: list[float], warmup_fraction: float,
+           window_fraction: float = 0.1) -> dict[str, float] | None:
+    """Growth after warm-up: the mean of the samples in the first `window_fraction` of the run after
+    the warm-up (`warmup_fraction`) against the mean of those in its last `window_fraction`, in MB and
+    percent, plus the peak after warm-up. Means, not single samples: the scheduler trims its heap once
+    a minute under load, so its RSS is a saw-tooth, and two single samples may compare a trough with a
+    peak. None with fewer than two samples after the warm-up."""
     if len(times) < 2:
         return None
+    window = (times[-1] - times[0]) * window_fraction
     cut = times[0] + (times[-1] - times[0]) * warmup_fraction
-    after = [v for t, v in zip(times, values) if t >= cut]
+    after = [(t, v) for t, v in zip(times, values) if t >= cut]
     if len(after) < 2:
         return None
-    base, end = after[0], after[-1]
-    return {"start_mb": values[0], "warm_mb": base, "end_mb": end, "peak_mb": max(after),
+    first = [v for t, v in after if t <= after[0][0] + window]
+    last = [v for t, v in after if t >= after[-1][0] - window]
+    base, end = sum(first) / len(first), sum(last) / len(last)
+    return {"start_mb": values[0], "warm_mb": base, "end_mb": end, "peak_mb": max(v for _, v in after),
             "growth_mb": end - base, "growth_pct": (end - base) / base * 100 if base else 0.0}
 
 

@@ -59,6 +59,11 @@ class ChildProcesses:
         # default 25.2, spin 20000: 113).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.setdefault("GOMP_SPINCOUNT", "1000")
+        # oneDNN keeps a primitive per GEMM shape it has seen (up to 1024), and steps of 192+ rows run
+        # bf16 GEMMs whose row count changes every step: under a 64-stream soak the scheduler's memory
+        # outside the KV pool crept up ~25 MB over 10 minutes. Eight entries hold one step's shapes;
+        # re-creating them cost nothing measurable (docs/benchmarks.md, "Memory under load").
+        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
         for name, cmd in commands:
             self.procs[name] = subprocess.Popen(cmd, env=env)
             logger.info("started the %s process (pid %d)", name, self.procs[name].pid)
