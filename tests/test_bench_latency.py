@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from tests.tiny_models import make_tiny_model
+from tokenmill.bench.llama_cpp_peer import PeerError, find_binary, parse_llama_bench, run_llama_bench
 from tokenmill.entrypoints.cli import main
-from tokenmill.entrypoints.llama_cpp_peer import PeerError, find_binary, parse_llama_bench, run_llama_bench
 from tokenmill.model.default_model import default_model_path
 
 # Tiny lengths, a small ceilings matmul and one thread (see tests/test_bench_throughput.py for why one).

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tests.server.test_bench_serve_peer import fake_server
-from tokenmill.entrypoints.bench_report import cdf, kind_of, render, shortened, write_report
+from tokenmill.bench.report import cdf, kind_of, render, shortened, write_report
 from tokenmill.entrypoints.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

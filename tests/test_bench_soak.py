@@ -9,9 +9,9 @@ import platform
 
 import pytest
 
+from tokenmill.bench.soak import PAGE, growth, parse_smaps, resident_in, sample_process
 from tokenmill.engine import memory_trim
 from tokenmill.engine.memory_trim import HeapTrimmer, kv_pool_ranges, write_kv_pool_map
-from tokenmill.entrypoints.bench_soak import PAGE, growth, parse_smaps, resident_in, sample_process
 
 SMAPS = """\
 55d0c0000000-55d0c4000000 rw-p 00000000 00:00 0                          [heap]

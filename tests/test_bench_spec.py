@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tokenmill.entrypoints.bench_spec import DEFAULT_DATASET, NEAR_TIE_NATS, _divergence
+from tokenmill.bench.spec import DEFAULT_DATASET, NEAR_TIE_NATS, _divergence
 from tokenmill.entrypoints.cli import main
 
 pytestmark = pytest.mark.slow

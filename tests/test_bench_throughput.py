@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tests.tiny_models import make_tiny_model
-from tokenmill.entrypoints.bench_common import (
+from tokenmill.bench.common import (
     FIRST_ORDINARY_TOKEN,
     ModelFlops,
     RunResult,

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny_models import make_tiny_model
-from tokenmill.entrypoints.llm import LLM
-from tokenmill.entrypoints.llm_data_parallel import DataParallelLLM
+from tokenmill.entrypoints.llm import LLM, DataParallelLLM
 from tokenmill.errors import InvalidRequest
 from tokenmill.sample.sampling_params import SamplingParams
 
@@ -21,7 +20,7 @@ def test_two_replicas_answer_like_one_engine_in_the_callers_order(tmp_path):
     one = LLM(folder, precision="exact", num_threads=1, kv_cache_tokens=2048)
     expected = one.generate(PROMPTS, GREEDY)
     with LLM(folder, precision="exact", num_threads=2, kv_cache_tokens=2048, data_parallel_size=2) as llm:
-        assert isinstance(llm, DataParallelLLM)
+        assert isinstance(llm, DataParallelLLM) and isinstance(llm, LLM)
         got = llm.generate(PROMPTS, [GREEDY] * 6 + [SamplingParams(temperature=0.0, max_tokens=8, n=2)])
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
         assert [o.prompt for o in got] == PROMPTS

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tokenmill.entrypoints.bench_quality import (
+from tokenmill.bench.quality import (
     PPL_REL_MAX,
     TOP1_MIN,
     held_out_text_path,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.entrypoints.bench_serve import Sample, _summarize, make_prompts, percentile
+from tokenmill.bench.serve import Sample, _summarize, make_prompts, percentile
 
 
 def test_prompts_are_seeded_and_about_the_asked_length():

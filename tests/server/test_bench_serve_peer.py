@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tokenmill.entrypoints.bench_serve import peer_ratios
+from tokenmill.bench.serve import peer_ratios
 from tokenmill.entrypoints.cli import main
 
 

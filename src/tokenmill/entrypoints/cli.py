@@ -8,81 +8,9 @@ import logging
 import os
 import sys
 
-from tokenmill.config import (
-    LOAD_BALANCE_METHODS,
-    PRECISIONS,
-    SPECULATIVE_METHODS,
-    DataParallelConfig,
-    EngineConfig,
-    SpeculativeConfig,
-)
+from tokenmill.config import LOAD_BALANCE_METHODS, DataParallelConfig, EngineConfig
+from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
 from tokenmill.errors import TokenmillError
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
-    g.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens, help="KV pool size in tokens")
-    g.add_argument("--page-size", type=int, default=d.page_size)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--precision", choices=["exact", "fast"], default=d.precision,
-                   help="fast (default): a GGUF's quantized weights stay quantized, bf16 GEMMs on large "
-                        "batches; exact: fp32 everywhere (token-identical to transformers)")
-    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=d.quantization,
-                   help="fast only. auto: run the file's quantized weights as they are; none: dequantize "
-                        "them; int8/int4: also quantize unquantized weights at load (e.g. safetensors)")
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
-                   default=d.enable_prefix_caching, help="reuse cached KV of shared prompt prefixes (default: on)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="compute every prompt in full; nothing is cached")
-    g = parser.add_argument_group("tensor parallelism (torch.distributed; flags as torchrun's)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
-                   help="split heads, MLP and vocabulary over this many ranks (must divide the heads, KV heads "
-                        "and intermediate size)")
-    g.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the ranks are spread over")
-    g.add_argument("--node-rank", type=int, default=d.node_rank,
-                   help="this machine's index; nodes other than 0 run their ranks and no server")
-    g.add_argument("--master-addr", default=d.master_addr, help="where node 0's rank 0 listens")
-    g.add_argument("--master-port", type=int, default=d.master_port, help="0: a free port (one node only)")
-    s = SpeculativeConfig()
-    g = parser.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-method", choices=list(SPECULATIVE_METHODS), default=None,
-                   help="ngram: prompt lookup; draft: a smaller model (or the target itself in a cheaper form) "
-                        "proposes; off by default")
-    g.add_argument("--num-speculative-tokens", type=int, default=s.num_speculative_tokens)
-    g.add_argument("--prompt-lookup-max", type=int, default=s.prompt_lookup_max)
-    g.add_argument("--prompt-lookup-min", type=int, default=s.prompt_lookup_min)
-    g.add_argument("--speculative-model", default=None, help="draft model (default: the target's own file)")
-    g.add_argument("--speculative-draft-precision", choices=list(PRECISIONS), default=s.draft_precision)
-    g.add_argument("--speculative-draft-quantization", choices=["auto", "none", "int8", "int4"],
-                   default=s.draft_quantization)
-    g.add_argument("--speculative-disable-by-batch-size", type=int, default=s.disable_by_batch_size,
-                   help="no speculation in steps with this many running requests")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-            "precision", "quantization", "num_threads", "seed", "enable_prefix_caching",
-            "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port")
-    kwargs = {k: getattr(args, k) for k in keys}
-    if getattr(args, "speculative_method", None):
-        model = args.speculative_model
-        kwargs["speculative"] = SpeculativeConfig(
-            method=args.speculative_method,
-            num_speculative_tokens=args.num_speculative_tokens,
-            prompt_lookup_max=args.prompt_lookup_max,
-            prompt_lookup_min=args.prompt_lookup_min,
-            model=os.path.abspath(os.path.expanduser(model)) if model else None,
-            draft_precision=args.speculative_draft_precision,
-            draft_quantization=args.speculative_draft_quantization,
-            disable_by_batch_size=args.speculative_disable_by_batch_size,
-        )
-    return kwargs
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -287,31 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("bench", help="benchmarks")
+    p = sub.add_parser("bench", help="benchmarks (tokenmill bench -h lists them)")
     bench = p.add_subparsers(dest="bench", required=True)
-    from tokenmill.entrypoints.bench_throughput import add_throughput_parser
+    if "bench" in (sys.argv[1:] if argv is None else argv):
+        # Only a bench run builds (imports) the bench commands: they pull in torch, which the
+        # server's API process must not hold.
+        from tokenmill.bench import add_bench_parsers
 
-    add_throughput_parser(bench, add_engine_args)
-    from tokenmill.entrypoints.bench_latency import add_latency_parser
-    from tokenmill.entrypoints.bench_spec import add_spec_parser
-
-    add_latency_parser(bench, add_engine_args)
-    add_spec_parser(bench, add_engine_args)
-    from tokenmill.entrypoints.bench_serve import add_serve_parser
-
-    add_serve_parser(bench)
-    from tokenmill.entrypoints.bench_quality import add_quality_parser
-
-    add_quality_parser(bench)
-    from tokenmill.entrypoints.bench_soak import add_soak_parser
-
-    add_soak_parser(bench)
-    from tokenmill.entrypoints.bench_tokenizer_stall import add_tokenizer_stall_parser
-
-    add_tokenizer_stall_parser(bench)
-    from tokenmill.entrypoints.bench_report import add_report_parser
-
-    add_report_parser(bench)
+        add_bench_parsers(bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,7 +1,7 @@
 """`LLM(model, data_parallel_size=N)`: N whole engines, each in a process of its own with its own KV
 pool and `num_threads // N` threads, behind the one offline API.
 
-`generate` tokenizes here (LLM's own), hands each replica a share of the prompts (least tokens first: the longest
+`generate` tokenizes here (InProcessLLM's own), hands each replica a share of the prompts (least tokens first: the longest
 prompt + max_tokens goes to the replica with the fewest so far, so shares finish together) and puts the
 outputs back in the caller's order. A prompt's n samples stay on one replica (one request). Replicas
 are started with the `spawn` method: a script that builds this LLM at import time needs the usual
@@ -17,24 +17,26 @@ from dataclasses import replace
 from typing import Any
 
 from tokenmill.config import DataParallelConfig, EngineConfig
-from tokenmill.entrypoints.llm import LLM, PromptType
+from tokenmill.entrypoints.llm_in_process import InProcessLLM, PromptType
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.outputs import RequestOutput
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.model.default_model import default_model_path
 from tokenmill.sample.sampling_params import SamplingParams
 
-_replica: LLM | None = None  # in a replica process: its engine
+_replica: InProcessLLM | None = None  # in a replica process: its engine
 
 
 def _on_replica(model: str | None, engine_args: dict[str, Any], method: str, *args: Any) -> Any:
     global _replica
     if _replica is None:
-        _replica = LLM(model, **engine_args)
+        _replica = InProcessLLM(model, **engine_args)
     return getattr(_replica, method)(*args)
 
 
-class DataParallelLLM(LLM):
+class DataParallelEngines(InProcessLLM):
+    """InProcessLLM's API over N engine processes (`llm.py` makes it an `LLM`: DataParallelLLM)."""
+
     def __init__(self, model: str | None = None, data_parallel_size: int = 2, **engine_args: Any) -> None:
         DataParallelConfig(data_parallel_size)  # checks the size
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)  # fails here, not in N processes

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.frontend.detokenizer_process import MAX_STATES
+from tokenmill.frontend.request_error import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,6 @@ def install_live_bound(manager: Any, max_num_seqs: int, detokenizer_max_states: 
 
 def check_live(manager: Any, seqs: Sequence[Any], internal: bool) -> None:
     """Refuse `seqs` (503) if admitting them would make more sequences live than manager.live_bound."""
-    from tokenmill.frontend.tokenizer_manager import RequestError  # that module imports this one
-
     bound = manager.live_bound
     if bound is None or internal:
         return

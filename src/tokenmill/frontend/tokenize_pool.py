@@ -29,8 +29,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
+from tokenmill.frontend.request_error import RequestError
 from tokenmill.frontend.tokenizer import Tokenizer
-from tokenmill.frontend.tokenizer_manager import RequestError
 
 logger = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.live_bound import check_live
 from tokenmill.frontend.live_latency import LiveLatency
 from tokenmill.frontend.output_merge import merge_pending
+from tokenmill.frontend.request_error import RequestError
 from tokenmill.frontend.request_timelines import PromptStages, TimelineRing, frontend_view
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.ipc.channels import MAIN, SCHEDULER, AsyncReceiver, IpcPaths, Sender
@@ -48,16 +49,6 @@ class ServerStatus(enum.Enum):
     STARTING = "starting"
     UP = "up"
     UNHEALTHY = "unhealthy"
-
-
-class RequestError(Exception):
-    """A request that cannot be served or was ended outside the normal stream; `status` is HTTP's."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
-        self.headers = headers  # e.g. Retry-After on an overload 503
 
 
 class MetricsSink(Protocol):

@@ -17,17 +17,17 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
-from tokenmill.entrypoints.bench_common import (
+from tokenmill.bench.common import (
     at_least,
     make_workload,
     matmul_ceilings,
     model_flops,
     run_settings,
 )
-from tokenmill.entrypoints.llama_cpp_peer import PeerError, find_binary, run_llama_bench
+from tokenmill.bench.llama_cpp_peer import PeerError, find_binary, run_llama_bench
+from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 PEERS = ("none", "llama.cpp")
 # llama-bench's tg starts from an empty context; a few tokens of prompt is the closest a request gets.
@@ -37,7 +37,7 @@ DECODE_PROMPT_LEN = 8
 WARMUP_SEED_OFFSET, DECODE_SEED_OFFSET = 1_000_003, 500_009
 
 
-def add_latency_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_latency_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "latency", help="batch-1 decode and prompt-processing tok/s, optionally against llama-bench"
     )
@@ -61,7 +61,6 @@ def add_latency_parser(subparsers: Any, add_engine_args: Callable[[argparse.Argu
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.cli import engine_kwargs  # cli imports this module: a top-level import cycles
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.model.default_model import default_model_path
 

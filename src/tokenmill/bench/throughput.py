@@ -14,12 +14,11 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tokenmill.entrypoints.bench_common import (
+from tokenmill.bench.common import (
     BenchRequest,
     RunResult,
     at_least,
@@ -30,6 +29,7 @@ from tokenmill.entrypoints.bench_common import (
     run_settings,
     summarize,
 )
+from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ PEERS = ("none", "transformers")
 WARMUP_REQUESTS, WARMUP_PROMPT, WARMUP_OUTPUT = 2, (16, 32), (8, 8)
 
 
-def add_throughput_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_throughput_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "throughput", help="offline throughput: N random-token requests at once, optionally against a peer"
     )
@@ -65,7 +65,6 @@ def add_throughput_parser(subparsers: Any, add_engine_args: Callable[[argparse.A
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.cli import engine_kwargs  # cli imports this module: a top-level import cycles
     from tokenmill.entrypoints.llm import LLM
 
     if args.min_prompt > args.max_prompt or args.min_output > args.max_output:
@@ -128,7 +127,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.report:
-        from tokenmill.entrypoints.bench_report import write_report
+        from tokenmill.bench.report import write_report
 
         print(f"report: {write_report(report, args.report, 'throughput')}")
     failed = any(r["errors"] for r in results.values())

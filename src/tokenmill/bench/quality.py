@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.bench.common import at_least
 from tokenmill.config import PRECISIONS, EngineConfig
-from tokenmill.entrypoints.bench_common import at_least
 
 # The bounds: Q4_1 weights are the same numbers in both paths and only activation precision
 # differs, so the argmax should almost never move and perplexity should barely change.
@@ -225,7 +225,7 @@ def engine_logits(core: Any, mode: str = "prefill") -> LogitsFn:
 
 def held_out_text_path() -> str:
     # Inside the package so that an installed tokenmill finds it too; the tests read this same copy.
-    return str(resources.files("tokenmill.entrypoints").joinpath("data", "heldout.txt"))
+    return str(resources.files("tokenmill.bench").joinpath("data", "heldout.txt"))
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -249,8 +249,8 @@ def add_quality_parser(subparsers: Any) -> None:
 
 
 def cmd_quality(args: argparse.Namespace) -> int:
+    from tokenmill.bench.common import run_settings
     from tokenmill.engine.factory import build_engine_core
-    from tokenmill.entrypoints.bench_common import run_settings
     from tokenmill.frontend.tokenizer import Tokenizer
     from tokenmill.model.default_model import default_model_path
 

@@ -28,11 +28,11 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tokenmill.entrypoints.bench_common import at_least, run_settings
+from tokenmill.bench.common import at_least, run_settings
+from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 DEFAULT_DATASET = Path(__file__).resolve().parents[3] / "tests" / "data" / "spec_workload.jsonl"
 SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
@@ -43,7 +43,7 @@ SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_t
 NEAR_TIE_NATS = 0.05
 
 
-def add_spec_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_spec_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("spec", help="speculative decoding on vs off: batch-1 decode and many-stream tok/s")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default=str(DEFAULT_DATASET),
@@ -59,7 +59,6 @@ def add_spec_parser(subparsers: Any, add_engine_args: Callable[[argparse.Argumen
 
 def cmd_spec(args: argparse.Namespace) -> int:
     from tokenmill.config import SpeculativeConfig
-    from tokenmill.entrypoints.cli import engine_kwargs  # cli imports this module: a top-level import cycles
     from tokenmill.entrypoints.llm import LLM
 
     if not os.path.isfile(args.dataset):  # before two model loads, not after

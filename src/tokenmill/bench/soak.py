@@ -34,8 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.bench.serve import make_prompts
 from tokenmill.engine.memory_trim import KV_POOL_DIR_ENV, kv_pool_file
-from tokenmill.entrypoints.bench_serve import make_prompts
 
 MB = 1024 * 1024
 IDLE_SETTLE_S = 5.0

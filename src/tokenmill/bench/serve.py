@@ -78,7 +78,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.report:
-        from tokenmill.entrypoints.bench_report import write_report
+        from tokenmill.bench.report import write_report
 
         print(f"report: {write_report(report, args.report, 'serve')}")
     peer_results = report["peer"]["results"] if "peer" in report else []

@@ -1,0 +1,82 @@
+"""The engine's command-line flags (`--kv-cache-tokens`, `--precision`, tensor parallelism, speculative
+decoding, ...) and their mapping onto `LLM` / `EngineConfig` keyword arguments: one module that the CLI's
+commands and the bench commands both import."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from tokenmill.config import (
+    PRECISIONS,
+    SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+    SpeculativeConfig,
+)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
+    g.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens, help="KV pool size in tokens")
+    g.add_argument("--page-size", type=int, default=d.page_size)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--precision", choices=["exact", "fast"], default=d.precision,
+                   help="fast (default): a GGUF's quantized weights stay quantized, bf16 GEMMs on large "
+                        "batches; exact: fp32 everywhere (token-identical to transformers)")
+    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=d.quantization,
+                   help="fast only. auto: run the file's quantized weights as they are; none: dequantize "
+                        "them; int8/int4: also quantize unquantized weights at load (e.g. safetensors)")
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
+                   default=d.enable_prefix_caching, help="reuse cached KV of shared prompt prefixes (default: on)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="compute every prompt in full; nothing is cached")
+    g = parser.add_argument_group("tensor parallelism (torch.distributed; flags as torchrun's)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="split heads, MLP and vocabulary over this many ranks (must divide the heads, KV heads "
+                        "and intermediate size)")
+    g.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the ranks are spread over")
+    g.add_argument("--node-rank", type=int, default=d.node_rank,
+                   help="this machine's index; nodes other than 0 run their ranks and no server")
+    g.add_argument("--master-addr", default=d.master_addr, help="where node 0's rank 0 listens")
+    g.add_argument("--master-port", type=int, default=d.master_port, help="0: a free port (one node only)")
+    s = SpeculativeConfig()
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-method", choices=list(SPECULATIVE_METHODS), default=None,
+                   help="ngram: prompt lookup; draft: a smaller model (or the target itself in a cheaper form) "
+                        "proposes; off by default")
+    g.add_argument("--num-speculative-tokens", type=int, default=s.num_speculative_tokens)
+    g.add_argument("--prompt-lookup-max", type=int, default=s.prompt_lookup_max)
+    g.add_argument("--prompt-lookup-min", type=int, default=s.prompt_lookup_min)
+    g.add_argument("--speculative-model", default=None, help="draft model (default: the target's own file)")
+    g.add_argument("--speculative-draft-precision", choices=list(PRECISIONS), default=s.draft_precision)
+    g.add_argument("--speculative-draft-quantization", choices=["auto", "none", "int8", "int4"],
+                   default=s.draft_quantization)
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=s.disable_by_batch_size,
+                   help="no speculation in steps with this many running requests")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    keys = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+            "precision", "quantization", "num_threads", "seed", "enable_prefix_caching",
+            "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port")
+    kwargs = {k: getattr(args, k) for k in keys}
+    if getattr(args, "speculative_method", None):
+        model = args.speculative_model
+        kwargs["speculative"] = SpeculativeConfig(
+            method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            prompt_lookup_max=args.prompt_lookup_max,
+            prompt_lookup_min=args.prompt_lookup_min,
+            model=os.path.abspath(os.path.expanduser(model)) if model else None,
+            draft_precision=args.speculative_draft_precision,
+            draft_quantization=args.speculative_draft_quantization,
+            disable_by_batch_size=args.speculative_disable_by_batch_size,
+        )
+    return kwargs
