@@ -12,6 +12,8 @@ PRECISIONS = ("exact", "fast")
 SPECULATIVE_METHODS = ("ngram", "draft")
 # How the data-parallel controller picks a replica (frontend/dp_controller.py).
 LOAD_BALANCE_METHODS = ("round_robin", "least_requests", "least_tokens", "prefix_aware")
+# Which waiting request is admitted first (engine/scheduling_policy.py).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,9 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    # fcfs: arrival order; priority: SamplingParams.priority (lower first), and under memory pressure
+    # the lowest-priority running request is preempted first (engine/scheduling_policy.py).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         positive = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "bf16_min_rows")
@@ -166,6 +171,9 @@ class EngineConfig:
                 f"quantization {self.quantization!r} needs precision 'fast' (exact computes the file's own "
                 "weights in fp32)", param="quantization",
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequest(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
+                                 f"{self.scheduling_policy!r}", param="scheduling_policy")
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidRequest("enable_prefix_caching must be true or false", param="enable_prefix_caching")
         # A dict (from JSON between processes, or LLM(speculative={...})) becomes the config here.

@@ -43,8 +43,9 @@ def test_every_sampling_field_is_passed_through():
         n=3, max_tokens=7, temperature=0.5, top_p=0.9, stop=["x", "y"], seed=11, presence_penalty=0.5,
         frequency_penalty=-0.5, logit_bias={"42": 5}, logprobs=3, user="u", top_k=20, min_p=0.1,
         repetition_penalty=1.2, min_tokens=2, ignore_eos=True, stop_token_ids=[9], include_stop_str_in_output=True,
-        skip_special_tokens=False, spaces_between_special_tokens=False,
+        skip_special_tokens=False, spaces_between_special_tokens=False, priority=-2,
     )
+    assert p.priority == -2 and chat(priority=3).priority == 3
     assert (p.n, p.max_tokens, p.temperature, p.top_p, p.stop_strings, p.seed) == (3, 7, 0.5, 0.9, ["x", "y"], 11)
     assert (p.presence_penalty, p.frequency_penalty, p.logit_bias, p.logprobs) == (0.5, -0.5, {42: 5.0}, 3)
     assert (p.top_k, p.min_p, p.repetition_penalty, p.min_tokens, p.ignore_eos) == (20, 0.1, 1.2, 2, True)
@@ -122,6 +123,7 @@ def test_out_of_range_fields_are_400_naming_the_field(build, param):
         ('{"prompt": "x", "seed": 99999999999999999999999}', "seed"),
         ('{"prompt": [1, "a"]}', "prompt"),
         ('{"prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids"),
+        ('{"prompt": "x", "priority": 0.5}', "priority"),
         ('{"temperature": 0}', "prompt"),
     ],
 )

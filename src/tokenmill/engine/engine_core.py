@@ -20,6 +20,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduling_policy import make_policy
 from tokenmill.engine.spec.proposer import Proposer, build_proposer, propose_drafts
 from tokenmill.engine.spec.stats import SpecDecodeStats
 from tokenmill.engine.step_stats import StepStats
@@ -67,7 +68,8 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.pool = PagePool(config.num_pages, config.page_size)
         self.scheduler = Scheduler(
-            self.pool, config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching
+            self.pool, config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
+            make_policy(config.scheduling_policy),
         )
         self.sampler = Sampler(vocab_size, sorted(self.eos_token_ids), seed=config.seed)
         self.requests: dict[str, Request] = {}
@@ -110,6 +112,12 @@ class EngineCore:
         if bad is not None:
             raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt")
         params.check_token_ids(self.vocab_size)
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequest(
+                f"priority {params.priority} needs the priority scheduling policy (scheduling_policy='priority', "
+                "`serve --scheduling-policy priority`); this engine serves first come first served",
+                param="priority",
+            )
         n_prompt = len(prompt_token_ids)
         room = self.max_model_len - n_prompt
         if room < 1:

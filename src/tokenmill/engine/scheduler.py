@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduling_policy import SchedulingPolicy
 from tokenmill.kvcache.page_pool import PagePool
 from tokenmill.kvcache.radix_cache import RadixCache
 
@@ -59,9 +60,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int, enable_prefix_caching: bool = True
+        self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int, enable_prefix_caching: bool = True,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
         self.pool = pool
+        self.policy = policy or SchedulingPolicy()  # the order of the queue and the running list
         self.cache = RadixCache(pool) if enable_prefix_caching else None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -73,7 +76,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.policy.enqueue(self.waiting, request)
 
     @property
     def num_unfinished(self) -> int:
@@ -83,6 +86,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        displaced = self._displace_for_waiting(out) if self.policy.displaces else 0
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -96,7 +100,7 @@ class Scheduler:
         prefilling = self._prefilling_groups()
         deferred: list[Request] = []
         # After a preemption memory is short: admitting more would only preempt again.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while len(out.preempted) == displaced and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             first_admission = request.status == RequestStatus.WAITING
             if first_admission and self._defer(request, prefilling):
@@ -116,7 +120,7 @@ class Scheduler:
                 prefilling.add(request.prefill_group)
             request.move_to(RequestStatus.RUNNING)
             request.timeline.add("scheduled", tokens=request.num_computed_tokens)  # tokens: cache hits
-            self.running.append(request)
+            self.policy.admit(self.running, request)
             if first_admission:
                 request.num_cached_tokens = request.num_computed_tokens
                 if self.cache is not None:
@@ -126,6 +130,22 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
         return out
+
+    def _displace_for_waiting(self, out: SchedulerOutput) -> int:
+        """Preempts running requests that the head of the queue outranks while it could not be admitted
+        (no sequence slot, or its first chunk's pages not to be had); returns how many."""
+        count = 0
+        while self.waiting and self.running and self.policy.outranks(self.waiting[0], self.running[-1]):
+            head = self.waiting[0]
+            first_chunk = min(head.num_tokens - head.num_computed_tokens, self.max_num_batched_tokens)
+            evictable = self.cache.num_evictable_pages if self.cache is not None else 0
+            if len(self.running) < self.max_num_seqs and self.pool.pages_for(first_chunk) <= self.pool.num_free + evictable:
+                break
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            count += 1
+        return count
 
     def _prefilling_groups(self) -> set[int]:
         """Prefill groups with a running member whose shareable prompt pages are not all in the tree
@@ -258,7 +278,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.timeline.add("preempted")
-        self.waiting.appendleft(request)
+        self.policy.requeue(self.waiting, request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Ends a request wherever it is (running or waiting) and returns its KV at once.

@@ -37,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=d.enable_prefix_caching, help="reuse cached KV of shared prompt prefixes (default: on)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="compute every prompt in full; nothing is cached")
+    g.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default=d.scheduling_policy,
+                   help="fcfs (default): arrival order; priority: a request's `priority` (lower first) picks "
+                        "who is admitted first and who is preempted last")
     g = parser.add_argument_group("tensor parallelism (torch.distributed; flags as torchrun's)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="split heads, MLP and vocabulary over this many ranks (must divide the heads, KV heads "
@@ -65,7 +68,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
             "precision", "quantization", "num_threads", "seed", "enable_prefix_caching",
-            "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port")
+            "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "scheduling_policy")
     kwargs = {k: getattr(args, k) for k in keys}
     if getattr(args, "speculative_method", None):
         model = args.speculative_model

@@ -101,6 +101,9 @@ class SamplingParams:
     stream_interval: int = 1
     # Constrained decoding (JSON schema, regex, EBNF, choice); None: free text.
     structured_output: StructuredOutputParams | None = None
+    # Scheduling priority (vLLM's `priority`): lower runs sooner. Only an engine started with
+    # scheduling_policy="priority" takes a value other than 0.
+    priority: int = 0
     # Filled by validation: stop as a list, for the code that checks it.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -170,6 +173,8 @@ class SamplingParams:
                 raise bad(name, "must be a list of token ids >= 0")
         if not _is_int(self.stream_interval) or self.stream_interval < 1:
             raise bad("stream_interval", f"must be an integer >= 1, got {self.stream_interval!r}")
+        if not _is_int(self.priority) or not -(2**63) <= self.priority < 2**63:
+            raise bad("priority", f"must be a 64-bit integer, got {self.priority!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):
             raise bad("structured_output", "must be a StructuredOutputParams")
 

@@ -150,6 +150,7 @@ def _common(
         prompt_logprobs=prompt_logprobs,
         output_kind=OutputKind.DELTA,
         structured_output=structured_output(req),
+        priority=req.priority or 0,
     )
 
 

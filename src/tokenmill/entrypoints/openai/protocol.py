@@ -51,6 +51,7 @@ class SamplingFields(BaseModel):
     spaces_between_special_tokens: bool | None = True
     cache_salt: str | None = None
     prompt_logprobs: Int64 | None = None
+    priority: Int64 | None = 0  # lower runs sooner; needs `serve --scheduling-policy priority`
     # The request's own stage timing in the response (engine/timeline.py): SGLang's three numbers.
     include_timing: bool | None = False
     # Structured output: OpenAI's response_format, or vLLM's guided_* fields (at most one of them all).
