@@ -151,6 +151,11 @@ class EngineConfig:
     # fcfs: arrival order; priority: SamplingParams.priority (lower first), and under memory pressure
     # the lowest-priority running request is preempted first (engine/scheduling_policy.py).
     scheduling_policy: str = "fcfs"
+    # The prefix cache's disk tier (engine/kv_offload.py): pages the tree takes are written through to
+    # files under this folder (bounded by kv_cache_disk_bytes, least recently used out) and read back
+    # on a later match instead of being recomputed, also after a restart. None: no disk tier.
+    kv_cache_dir: str | None = None
+    kv_cache_disk_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
         positive = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "bf16_min_rows")
@@ -171,6 +176,18 @@ class EngineConfig:
                 f"quantization {self.quantization!r} needs precision 'fast' (exact computes the file's own "
                 "weights in fp32)", param="quantization",
             )
+        if not isinstance(self.kv_cache_disk_bytes, int) or self.kv_cache_disk_bytes < 1:
+            raise InvalidRequest(f"kv_cache_disk_bytes must be an integer >= 1, got {self.kv_cache_disk_bytes!r}",
+                                 param="kv_cache_disk_bytes")
+        if self.kv_cache_dir is not None:
+            if not isinstance(self.kv_cache_dir, str) or not self.kv_cache_dir:
+                raise InvalidRequest("kv_cache_dir must be a folder's path", param="kv_cache_dir")
+            if not self.enable_prefix_caching:
+                raise InvalidRequest("kv_cache_dir extends the prefix cache, which is off (--no-prefix-caching)",
+                                     param="kv_cache_dir")
+            if self.tensor_parallel_size > 1:
+                raise InvalidRequest("kv_cache_dir works on one rank only for now (each rank would need its "
+                                     "own share of every page)", param="kv_cache_dir")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequest(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
                                  f"{self.scheduling_policy!r}", param="scheduling_policy")

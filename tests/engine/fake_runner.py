@@ -58,6 +58,22 @@ class FakeRunner:
         return logits
 
 
+    def shutdown(self) -> None:
+        """Nothing to stop (the real runner stops its tensor-parallel ranks here)."""
+
+    # ---- the disk tier's page IO: a page's "K/V" are the token ids in its slots -------------------
+    def page_layout(self) -> tuple[str, int]:
+        return f"int64({self.page_size},)", 8 * self.page_size
+
+    def read_page(self, page: int) -> bytes:
+        slots = self.slots[page * self.page_size:(page + 1) * self.page_size]
+        return torch.tensor([-1 if t is None else t for t in slots], dtype=torch.int64).numpy().tobytes()
+
+    def write_page(self, page: int, payload: bytes) -> None:
+        values = torch.frombuffer(bytearray(payload), dtype=torch.int64).tolist()
+        self.slots[page * self.page_size:(page + 1) * self.page_size] = [None if t < 0 else t for t in values]
+
+
 def next_token(prefix: list[int], vocab_size: int) -> int:
     h = 0
     for t in prefix:

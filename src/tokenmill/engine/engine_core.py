@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.kv_offload import KVOffload
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.scheduling_policy import make_policy
@@ -455,4 +456,20 @@ class EngineCore:
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             **self.step_stats.as_dict(self.scheduler),  # kv_pages_evicted, preempted, step composition
             **self.spec_stats.as_dict(),
+            **(self.scheduler.offload.stats() if self.scheduler.offload is not None else {}),
         }
+
+    def attach_disk_tier(self, offload: KVOffload) -> None:
+        """The prefix cache's second tier (engine/kv_offload.py): pages the tree takes are written
+        through to it, and matches continue on it where the tree's end."""
+        if self.scheduler.cache is None:
+            raise InvalidRequest("the KV disk tier extends the prefix cache, which is off (--no-prefix-caching)",
+                                 param="kv_cache_dir")
+        self.scheduler.offload = offload
+        self.scheduler.cache.on_insert = offload.on_insert
+
+    def shutdown(self) -> None:
+        """Stops the engine's other tensor-parallel ranks and waits for the disk tier's pending writes."""
+        if self.scheduler.offload is not None:
+            self.scheduler.offload.close()
+        self.runner.shutdown()

@@ -3,13 +3,16 @@ with parallel/), its KV pool, the engine around it."""
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import time
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.kv_offload import PageIO, build_offload
 from tokenmill.model.builder import build_model
 
 logger = logging.getLogger(__name__)
@@ -29,6 +32,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         runner = built.runner
     mc, model = built.config, built.runner.model
     core = EngineCore(config, runner, mc.vocab_size, mc.eos_token_ids, built.max_model_len)
+    if config.kv_cache_dir is not None:
+        attach_disk_tier(core, config, runner)
     logger.info(
         "loaded %s (%s, %d layers) in %.1fs; KV pool %d pages x %d tokens; precision %s; %d threads",
         built.source, mc.architecture, mc.num_layers, time.monotonic() - start,
@@ -38,3 +43,16 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         logger.info("layers %s", line)
     logger.info("weights in memory: %.1f MB", model.weight_bytes() / 1e6)
     return core
+
+
+def attach_disk_tier(core: EngineCore, config: EngineConfig, runner: PageIO) -> None:
+    from tokenmill.model.default_model import default_model_path
+
+    folder = os.path.abspath(os.path.expanduser(config.kv_cache_dir or ""))
+    settings = {"precision": config.precision, "quantization": config.quantization}
+    offload = build_offload(folder, config.kv_cache_disk_bytes, runner, core.pool,
+                            config.model or default_model_path(), settings)
+    core.attach_disk_tier(offload)
+    atexit.register(offload.tier.flush)  # a script that never calls shutdown() still leaves its pages
+    logger.info("KV disk tier: %s (%d pages known, at most %.1f GB)", offload.tier.folder,
+                offload.tier.stats.pages, config.kv_cache_disk_bytes / 1e9)

@@ -25,11 +25,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduling_policy import SchedulingPolicy
 from tokenmill.kvcache.page_pool import PagePool
 from tokenmill.kvcache.radix_cache import RadixCache
+
+if TYPE_CHECKING:
+    from tokenmill.engine.kv_offload import KVOffload
 
 TREE_HOLDER = "<prefix cache>"
 
@@ -65,6 +69,7 @@ class Scheduler:
     ) -> None:
         self.pool = pool
         self.policy = policy or SchedulingPolicy()  # the order of the queue and the running list
+        self.offload: KVOffload | None = None  # the prefix cache's disk tier, when the engine has one
         self.cache = RadixCache(pool) if enable_prefix_caching else None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -215,6 +220,9 @@ class Scheduler:
         if limit == 0:
             return
         match = self.cache.match(request.all_token_ids[:limit], request.cache_salt)
+        if self.offload is not None:  # pages past the tree's match may still be on disk
+            match = self.offload.extend(self.cache, match, request.all_token_ids[:limit], request.cache_salt,
+                                        self._make_room)
         if match.num_pages == 0:
             return
         self.cache.lock(match.node)

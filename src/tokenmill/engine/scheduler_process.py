@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
-        engine.runner.shutdown()  # tensor-parallel ranks stop with the engine
+        engine.shutdown()  # tensor-parallel ranks stop with the engine; disk writes land
         ctx.destroy(linger=0)
     return 0
 

@@ -40,6 +40,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default=d.scheduling_policy,
                    help="fcfs (default): arrival order; priority: a request's `priority` (lower first) picks "
                         "who is admitted first and who is preempted last")
+    g.add_argument("--kv-cache-dir", default=d.kv_cache_dir, metavar="DIR",
+                   help="the prefix cache's disk tier: cached KV pages are also written here and read back "
+                        "instead of recomputed, also after a restart (default: none)")
+    g.add_argument("--kv-cache-disk-bytes", type=int, default=d.kv_cache_disk_bytes, metavar="N",
+                   help="bound of --kv-cache-dir in bytes, least recently used pages out (default: 4 GiB)")
     g = parser.add_argument_group("tensor parallelism (torch.distributed; flags as torchrun's)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="split heads, MLP and vocabulary over this many ranks (must divide the heads, KV heads "
@@ -68,7 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
             "precision", "quantization", "num_threads", "seed", "enable_prefix_caching",
-            "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "scheduling_policy")
+            "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "scheduling_policy",
+            "kv_cache_dir", "kv_cache_disk_bytes")
     kwargs = {k: getattr(args, k) for k in keys}
     if getattr(args, "speculative_method", None):
         model = args.speculative_model

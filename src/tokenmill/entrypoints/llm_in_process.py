@@ -116,7 +116,7 @@ class InProcessLLM:
     def shutdown(self) -> None:
         """Stops the engine's other tensor-parallel ranks (nothing to do on one rank); also on `with`
         exit. Without it they stop when this process exits."""
-        self.engine.runner.shutdown()
+        self.engine.shutdown()
 
     def __enter__(self) -> InProcessLLM:
         return self

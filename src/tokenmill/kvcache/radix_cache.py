@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -80,6 +80,9 @@ class RadixCache:
         self.num_pages = 0  # pages the tree owns
         self.num_locked_pages = 0  # of those, pages on a path some running request holds
         self.num_evicted_pages = 0
+        # Called with (tokens, salt, first page index, pages) whenever the tree takes new pages: the
+        # disk tier's write-through (engine/kv_offload.py). None: nobody listens.
+        self.on_insert: Callable[[list[int], str | None, int, list[int]], None] | None = None
 
     @property
     def num_evictable_pages(self) -> int:
@@ -134,6 +137,8 @@ class RadixCache:
                 node.children[key] = child
                 self.num_pages += len(child.pages)
                 out.extend(child.pages)
+                if self.on_insert is not None:
+                    self.on_insert(tokens, salt, first, child.pages)
                 return PrefixMatch(child, out)
             n = self._common_pages(child.key, tokens, pos)
             if n < len(child.pages):

@@ -74,6 +74,34 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing to release here; a tensor-parallel runner (parallel/runner.py) stops its other ranks."""
 
+    # ---- one page's K/V as bytes: the prefix cache's disk tier (engine/kv_offload.py) ------------
+    # Every cache tensor is indexed [kv_heads, slot, ...]: a page is slots page * page_size onwards.
+    def page_layout(self) -> tuple[str, int]:
+        parts, nbytes = [], 0
+        for layer in self.kv_caches:
+            for t in layer:
+                page = t[:, : self.page_size]
+                parts.append(f"{page.dtype}{tuple(page.shape)}")
+                nbytes += page.numel() * page.element_size()
+        return ";".join(parts), nbytes
+
+    def read_page(self, page: int) -> bytes:
+        lo, hi = page * self.page_size, (page + 1) * self.page_size
+        return b"".join(t[:, lo:hi].contiguous().view(torch.uint8).numpy().tobytes()
+                        for layer in self.kv_caches for t in layer)
+
+    def write_page(self, page: int, payload: bytes) -> None:
+        self._zero_new_pages(page + 1)  # zeroing ahead later must not wipe what is written now
+        lo, hi = page * self.page_size, (page + 1) * self.page_size
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        offset = 0
+        for layer in self.kv_caches:
+            for t in layer:
+                target = t[:, lo:hi]
+                n = target.numel() * target.element_size()
+                target.copy_(data[offset:offset + n].view(t.dtype).view(target.shape))
+                offset += n
+
     @staticmethod
     def _logit_rows(chunks: list[SeqChunk], order: list[int], last_rows: list[int]) -> torch.Tensor:
         """Hidden rows to turn into logits, in the caller's chunk order: every row of an `all_logits`
