@@ -17,6 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from tokenmill.model.default_model import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE
 
 ARCHS = ("llama", "llama3_tied", "mistral", "qwen2", "qwen3")
+# Mixture-of-experts families (model/moe.py): 4 experts, 2 per token.
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 VOCAB_SIZE = 49152
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -56,6 +58,22 @@ _ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
         },
+    ),
+    # Layer 1 dense (mlp_only_layers), layer 0 with experts; experts unnormalised top-k.
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1],
+         "norm_topk_prob": False, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    ),
+    "qwen2_moe": (
+        "qwen2_moe",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+         "shared_expert_intermediate_size": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    ),
+    "mixtral": (
+        "mixtral",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
     ),
 }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.model.moe_config import MoEConfig
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -29,3 +31,5 @@ class ModelConfig:
     qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (model/moe.py); None: every layer has a dense MLP.
+    moe: MoEConfig | None = None

@@ -35,8 +35,9 @@ class FusedDecodeStack:
             return False
         if model.config.qk_norm or not decode_step.available():
             return False
-        return all(_blocked(part) is not None
-                   for layer in model.layers for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        # A layer without the four (a mixture of experts, model/moe.py) runs op by op.
+        return all(_blocked(getattr(layer, name, None)) is not None
+                   for layer in model.layers for name in ("qkv", "o_proj", "gate_up", "down"))
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         tensors: list[torch.Tensor] = []

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.moe_config import MOE_MODEL_TYPES, moe_config_from_hf
 
 # transformers 5 class defaults for the keys a config.json may leave out (save_pretrained omits some).
 # They differ per model: mistral/qwen default to 8/32 kv heads and qwen3 to head_dim 128, not hidden/heads.
@@ -24,6 +25,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4},
+    "qwen2_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 16},
+    "mixtral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "bos_token_id": 1, "eos_token_id": 2},
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_DEFAULTS))
 _REQUIRED = (
@@ -81,6 +85,11 @@ def read_config(folder: str) -> ModelConfig:
     heads = cfg["num_attention_heads"]
     max_pos = cfg["max_position_embeddings"]
     theta, scaling = _rope(cfg, max_pos)
+    dense_type = MOE_MODEL_TYPES.get(model_type, model_type)  # the attention a MoE model shares
+    try:
+        moe = moe_config_from_hf(model_type, cfg) if model_type in MOE_MODEL_TYPES else None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(path, f"bad mixture-of-experts settings ({e})") from e
     eos = cfg.get("eos_token_id")
     eos_ids = () if eos is None else tuple(int(t) for t in (eos if isinstance(eos, list) else [eos]))
     return ModelConfig(
@@ -99,10 +108,11 @@ def read_config(folder: str) -> ModelConfig:
         rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2Attention always has q/k/v biases; it has no attention_bias switch.
-        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        attention_bias=dense_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=dense_type == "qwen3",
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        moe=moe,
     )
 
 

@@ -47,14 +47,34 @@ class DecoderLayer:
             qkv_bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
         self.qkv = make_linear(qkv, qkv_bias, policy)
         self.o_proj = make_linear([w("self_attn.o_proj.weight")], None, policy)
-        self.gate_up = make_linear([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], None, policy)
-        self.down = make_linear([w("mlp.down_proj.weight")], None, policy)
+        self._init_mlp(c, weights, prefix, policy)
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         self.q_norm = w("self_attn.q_norm.weight") if c.qk_norm else None
         self.k_norm = w("self_attn.k_norm.weight") if c.qk_norm else None
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+
+    def _init_mlp(self, config: ModelConfig, weights: dict, prefix: str, policy: LayerPolicy) -> None:
+        """The feed-forward block: a gated SiLU MLP here; a mixture of experts in model/moe.py."""
+        # gate and up share their input: one fused GEMM instead of two.
+        self.gate_up = make_linear([weights[prefix + "mlp.gate_proj.weight"], weights[prefix + "mlp.up_proj.weight"]],
+                                   None, policy)
+        self.down = make_linear([weights[prefix + "mlp.down_proj.weight"]], None, policy)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+    def mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(fused_ops.silu_mul(self.gate_up(h)))
+
+    def mlp_parts(self) -> dict[str, object]:
+        """The feed-forward block's linears by name (weights counted, layers described)."""
+        return {"gate_up": self.gate_up, "down": self.down}
+
+    def linears(self) -> list:
+        return [self.qkv, self.o_proj, *self.mlp_parts().values()]
 
     def forward(self, x, cos, sin, attention, k_cache, v_cache, meta):
         t = x.shape[0]
@@ -73,9 +93,7 @@ class DecoderLayer:
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         attn = attention.forward(q.contiguous(), k, v, k_cache, v_cache, meta)
         x = x + self.o_proj(attn)
-        h = norm(x, self.post_norm, self.eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self.mlp(norm(x, self.post_norm, self.eps))
 
     def forward_fused(self, x, h, cos, sin, attention, k_cache, v_cache, meta, bf16: bool = False) -> torch.Tensor:
         """Fast path with the fused C++ steps: `h` is this layer's normed input; adds the attention
@@ -87,7 +105,7 @@ class DecoderLayer:
                                  meta.slot_mapping)
         attn = attention.attend(q, k_cache, v_cache, meta)
         h = fused_ops.add_rms_norm_(x, self.o_proj(attn), self.post_norm, self.eps, bf16)
-        return self.down(fused_ops.silu_mul(self.gate_up(h)))
+        return self.mlp_fused(h)
 
 
 class LlamaForCausalLM:
@@ -103,7 +121,7 @@ class LlamaForCausalLM:
         policy = policy or LayerPolicy()
         # Prepared once: with tied embeddings the lm_head shares it (one copy in memory).
         embed = policy.prepare(weights["model.embed_tokens.weight"])
-        self.layers = [DecoderLayer(config, weights, f"model.layers.{i}.", policy) for i in range(config.num_layers)]
+        self.layers = [self.make_layer(config, weights, i, policy) for i in range(config.num_layers)]
         self.norm = weights["model.norm.weight"]
         lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = make_linear([lm_head], None, policy, lm_head=True)
@@ -119,9 +137,12 @@ class LlamaForCausalLM:
         self.fused_decode = self.fused and FusedDecodeStack.supports(self)
         # Steps of at least this many rows keep the linears' activations in bf16 (None: never).
         starts = {part.bf16_from_rows if isinstance(part, QuantizedLinear) else None
-                  for layer in self.layers for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)}
+                  for layer in self.layers for part in layer.linears()}
         self.bf16_rows = starts.pop() if self.fused and len(starts) == 1 else None
         self._decode_stack: FusedDecodeStack | None = None
+
+    def make_layer(self, config: ModelConfig, weights: dict, index: int, policy: LayerPolicy) -> DecoderLayer:
+        return DecoderLayer(config, weights, f"model.layers.{index}.", policy)
 
     def forward(
         self,
@@ -173,16 +194,14 @@ class LlamaForCausalLM:
         add(self.lm_head)
         add(self.norm)
         for layer in self.layers:
-            for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.input_norm, layer.post_norm,
-                         layer.q_norm, layer.k_norm):
+            for part in (*layer.linears(), layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm):
                 add(part)
         return sum(seen.values())
 
     def describe(self) -> list[str]:
         """What each kind of layer runs as (logged at start-up)."""
         first = self.layers[0]
-        parts = {"qkv": first.qkv, "o_proj": first.o_proj, "gate_up": first.gate_up, "down": first.down,
-                 "lm_head": self.lm_head}
+        parts = {"qkv": first.qkv, "o_proj": first.o_proj, **first.mlp_parts(), "lm_head": self.lm_head}
         lines = [f"{name}: {layer.describe()}" for name, layer in parts.items()]
         if self.fused_decode:
             lines.append(f"steps of all decode rows (up to {FusedDecodeStack.MAX_ROWS}): one fused C++ call "

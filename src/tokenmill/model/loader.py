@@ -17,6 +17,7 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.default_model import default_model_path
 from tokenmill.model.gguf_loader import GGUF_MAGIC, load_gguf, read_gguf_config
 from tokenmill.model.hf_loader import load_hf, read_config
+from tokenmill.model.moe_config import moe_shapes
 from tokenmill.model.quant import QuantizedWeight
 
 
@@ -94,6 +95,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        if config.moe is not None and config.moe.is_sparse(i):
+            shapes.update(moe_shapes(config.moe, config.architecture, p, h))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
         shapes[p + "mlp.up_proj.weight"] = (ffn, h)
         shapes[p + "mlp.down_proj.weight"] = (h, ffn)

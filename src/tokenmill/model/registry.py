@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.moe import MoEForCausalLM
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen3_moe": MoEForCausalLM,
+    "qwen2_moe": MoEForCausalLM,
+    "mixtral": MoEForCausalLM,
 }
 
 

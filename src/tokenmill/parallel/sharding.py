@@ -1,6 +1,7 @@
 """Which slice of each weight a tensor-parallel rank holds (Megatron's layout, as vLLM and SGLang use).
 
-- Column-parallel (output rows split): q/k/v by heads, gate/up by the intermediate size. Each rank
+- Column-parallel (output rows split): q/k/v by heads, gate/up by the intermediate size (each MoE
+  expert, and a shared expert, like a dense MLP; routers whole on every rank). Each rank
   computes its own heads' attention end to end, over its own KV heads' pages.
 - Row-parallel (input columns split): o_proj and down; each rank's product is a partial sum, added
   up by one all-reduce per layer each (parallel/layers.py).
@@ -35,6 +36,10 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
     sizes that would work."""
     dims = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads,
             "intermediate size": config.intermediate_size}
+    if config.moe is not None:  # each expert is split like a dense MLP
+        dims["expert intermediate size"] = config.moe.expert_intermediate_size
+        if config.moe.shared_expert_intermediate_size:
+            dims["shared expert intermediate size"] = config.moe.shared_expert_intermediate_size
     bad = [f"{name} ({value})" for name, value in dims.items() if value % size]
     if not bad:
         return
@@ -66,6 +71,10 @@ def _columns(w: Weight, start: int, end: int) -> Weight:
     return w.dequantize(torch.float32)[:, start:end].contiguous()
 
 
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class TensorParallelShard:
     """Rank `group.rank`'s part of the model (the ModelShard that model/builder.py takes)."""
 
@@ -75,16 +84,20 @@ class TensorParallelShard:
 
     def shard_config(self, config: ModelConfig) -> ModelConfig:
         check_tensor_parallel_size(config, self.size)
+        moe = config.moe
+        if moe is not None:
+            moe = dataclasses.replace(
+                moe, expert_intermediate_size=moe.expert_intermediate_size // self.size,
+                shared_expert_intermediate_size=moe.shared_expert_intermediate_size // self.size)
         return dataclasses.replace(config, num_heads=config.num_heads // self.size,
                                    num_kv_heads=config.num_kv_heads // self.size,
-                                   intermediate_size=config.intermediate_size // self.size)
+                                   intermediate_size=config.intermediate_size // self.size, moe=moe)
 
     def shard_weights(self, config: ModelConfig, weights: dict) -> dict:
         check_tensor_parallel_size(config, self.size)
         r, n, d = self.rank, self.size, config.head_dim
         q = config.num_heads * d // n
         kv = config.num_kv_heads * d // n
-        inter = config.intermediate_size // n
         v0, v1 = vocab_range(config.vocab_size, r, n)
         out: dict = {}
         for name, w in weights.items():
@@ -92,22 +105,30 @@ class TensorParallelShard:
                 out[name] = _rows(w, r * q, (r + 1) * q)
             elif name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
                 out[name] = _rows(w, r * kv, (r + 1) * kv)
-            elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+            elif name.endswith(("gate_proj.weight", "up_proj.weight", ".w1.weight", ".w3.weight")):
+                # the MLP's, an expert's or the shared expert's intermediate rows (Mixtral: w1, w3)
+                inter = w.shape[0] // n
                 out[name] = _rows(w, r * inter, (r + 1) * inter)
             elif name.endswith("o_proj.weight"):
                 out[name] = _columns(w, r * q, (r + 1) * q)
-            elif name.endswith("down_proj.weight"):
+            elif name.endswith(("down_proj.weight", ".w2.weight")):
+                inter = w.shape[1] // n
                 out[name] = _columns(w, r * inter, (r + 1) * inter)
             elif name in ("model.embed_tokens.weight", "lm_head.weight"):
                 out[name] = _rows(w, v0, v1)
-            else:  # norms (per hidden unit or per head dimension): every rank needs all of them
+            else:  # norms, MoE routers and the shared expert's gate: every rank needs all of them
                 out[name] = w
         return out
 
     def parallelize(self, model: LlamaForCausalLM) -> None:
         for layer in model.layers:
             layer.o_proj = AllReduceLinear(layer.o_proj, self.group)
-            layer.down = AllReduceLinear(layer.down, self.group)
+            if hasattr(layer, "moe_block"):
+                # Every expert's down (and the shared expert's) gives a partial sum: one all-reduce
+                # of the block's output adds them all up.
+                layer.combine = AllReduceLinear(_whole, self.group)
+            else:
+                layer.down = AllReduceLinear(layer.down, self.group)
         v0, v1 = vocab_range(model.config.vocab_size, self.rank, self.size)
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, v0, v1, self.group)
         share = -(-model.config.vocab_size // self.size)

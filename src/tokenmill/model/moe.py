@@ -1,0 +1,125 @@
+"""Mixture-of-experts decoders (Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral): the
+llama family's attention with a routed feed-forward block in the layers the config names.
+
+Routing is the reference's: softmax over the router's logits in fp32, top-k, renormalised where the
+config says (`norm_topk_prob`; Mixtral always), ties broken as torch.topk breaks them (transformers
+calls the same). A step's tokens are grouped by expert (one stable sort of the flat assignments), so
+each active expert runs ONE linear pair over all of its tokens; the weighted outputs are added back
+per expert in ascending expert order, the order transformers adds them in, so fp32 sums agree.
+Experts are ordinary linears (layers/factory.py), so they run in whatever form the policy gives
+(fp32, bf16 GEMMs, int8/int4 kernels) and a quantized expert is read only by the steps that route to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.layers.factory import LayerPolicy, make_linear
+from tokenmill.model.llama import DecoderLayer, LlamaForCausalLM
+from tokenmill.model.moe_config import expert_weight_names, router_name
+
+
+class Expert:
+    """One gated SiLU MLP (gate and up fused into one GEMM)."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, policy: LayerPolicy) -> None:
+        self.gate_up = make_linear([gate, up], None, policy)
+        self.down = make_linear([down], None, policy)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class SparseMoE:
+    def __init__(self, config: ModelConfig, weights: dict, prefix: str, policy: LayerPolicy) -> None:
+        assert config.moe is not None
+        self.moe = moe = config.moe
+        router = weights[router_name(config.architecture, prefix)]
+        # The router stays fp32 in every precision: its logits pick experts, and a rounding that
+        # flips a near-tie sends the token through other weights altogether.
+        self.router = router.float().contiguous()
+        self.experts = [Expert(*(weights[n] for n in expert_weight_names(config.architecture, prefix, e)), policy)
+                        for e in range(moe.num_experts)]
+        self.shared: Expert | None = None
+        self.shared_gate: torch.Tensor | None = None
+        if moe.shared_expert_intermediate_size:
+            s = f"{prefix}mlp.shared_expert."
+            self.shared = Expert(weights[s + "gate_proj.weight"], weights[s + "up_proj.weight"],
+                                 weights[s + "down_proj.weight"], policy)
+            self.shared_gate = weights[f"{prefix}mlp.shared_expert_gate.weight"].float().contiguous()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k])."""
+        logits = F.linear(x.float(), self.router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_w.to(x.dtype), top_i
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        top_w, top_i = self.route(x)
+        k = self.moe.top_k
+        flat = top_i.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        tokens = order // k
+        weights = top_w.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start:start + count]
+                y = expert(x[rows]) * weights[start:start + count, None]
+                out.index_add_(0, rows, y.to(out.dtype))
+                start += count
+        if self.shared is not None:
+            gate = torch.sigmoid(F.linear(x.float(), self.shared_gate)).to(x.dtype)
+            out = out + gate * self.shared(x)
+        return out
+
+    def linears(self) -> list:
+        parts = [p for e in self.experts for p in (e.gate_up, e.down)]
+        if self.shared is not None:
+            parts += [self.shared.gate_up, self.shared.down]
+        return parts
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """A llama-family layer whose feed-forward block is a SparseMoE."""
+
+    def _init_mlp(self, config: ModelConfig, weights: dict, prefix: str, policy: LayerPolicy) -> None:
+        self.moe_block = SparseMoE(config, weights, prefix, policy)
+        # What makes the block's output whole: nothing on one rank; with tensor parallelism every
+        # expert holds a slice of its width and this is the all-reduce of the partial sums.
+        self.combine: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.moe_block(h)
+        return out if self.combine is None else self.combine(out)
+
+    def mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(h)
+
+    def mlp_parts(self) -> dict[str, object]:
+        first = self.moe_block.experts[0]
+        return {"expert gate_up": first.gate_up, "expert down": first.down}
+
+    def linears(self) -> list:
+        return [self.qkv, self.o_proj, *self.moe_block.linears()]
+
+    @property
+    def router(self) -> torch.Tensor:
+        return self.moe_block.router
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    def make_layer(self, config: ModelConfig, weights: dict, index: int, policy: LayerPolicy) -> DecoderLayer:
+        assert config.moe is not None
+        cls = MoEDecoderLayer if config.moe.is_sparse(index) else DecoderLayer
+        return cls(config, weights, f"model.layers.{index}.", policy)
