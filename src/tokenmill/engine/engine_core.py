@@ -19,6 +19,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_offload import KVOffload
+from tokenmill.engine.pooling import PooledState, check_pooling_prompt, resolve_pooling_type
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.scheduling_policy import make_policy
@@ -28,12 +29,15 @@ from tokenmill.engine.step_stats import StepStats
 from tokenmill.errors import InvalidRequest
 from tokenmill.kvcache.page_pool import PagePool
 from tokenmill.model.runner import ModelRunner, SeqChunk
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sample.logprobs import TokenLogprobs, prompt_logprobs
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.sampling_params import SamplingParams
 from tokenmill.sample.speculative import accepted_run, verification_batch
 
 logger = logging.getLogger(__name__)
+
+_NO_SAMPLING = SamplingParams(max_tokens=1)  # an embedding request's placeholder params
 
 
 @dataclass
@@ -50,6 +54,8 @@ class EngineOutput:
     # params.prompt_logprobs, first output only: one entry per prompt token, the first None (vLLM's shape)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     timeline: dict | None = None  # on the finished output: RequestTimeline.summary()
+    # An embedding request's one output: its pooled final hidden state, fp32 [hidden] (engine/pooling.py)
+    embedding: torch.Tensor | None = None
 
 
 class EngineCore:
@@ -61,12 +67,14 @@ class EngineCore:
         eos_token_ids: Iterable[int],
         max_model_len: int,
         proposer: Proposer | None = None,
+        pooling_type: str = "last",  # what the model's files declare (model/pooling.py), for embeddings
     ) -> None:
         self.config = config
         self.runner = runner
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.pooling_type = pooling_type
         self.pool = PagePool(config.num_pages, config.page_size)
         self.scheduler = Scheduler(
             self.pool, config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
@@ -80,6 +88,7 @@ class EngineCore:
         # Prompt positions actually run through the model (recomputes included, cache hits not):
         # what prefix sharing saves shows here.
         self.prompt_tokens_computed_total = 0
+        self.pooling_requests_total = 0  # embedding requests admitted
         # Structured output: the grammar manager (xgrammar, loaded on the first constrained request),
         # compiled grammars still on their way, and each constrained request's matcher.
         self._grammar: Any = None
@@ -95,10 +104,11 @@ class EngineCore:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         cache_salt: str | None = None,
     ) -> None:
-        """Validates and queues a request; raises InvalidRequest naming the problem.
+        """Validates and queues a request; raises InvalidRequest naming the problem. With
+        PoolingParams it is an embedding request (engine/pooling.py).
 
         `cache_salt` picks the prefix-cache namespace: requests with different salts never share
         cached KV (tenant isolation); requests without one share the common space.
@@ -112,6 +122,10 @@ class EngineCore:
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt")
+        n_prompt = len(prompt_token_ids)
+        if isinstance(params, PoolingParams):
+            self._add_pooling(request_id, prompt_token_ids, params)
+            return
         params.check_token_ids(self.vocab_size)
         if params.priority != 0 and self.config.scheduling_policy != "priority":
             raise InvalidRequest(
@@ -119,7 +133,6 @@ class EngineCore:
                 "`serve --scheduling-policy priority`); this engine serves first come first served",
                 param="priority",
             )
-        n_prompt = len(prompt_token_ids)
         room = self.max_model_len - n_prompt
         if room < 1:
             raise InvalidRequest(
@@ -151,6 +164,16 @@ class EngineCore:
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.prompt_tokens_total += n_prompt
+
+    def _add_pooling(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        check_pooling_prompt(len(prompt_token_ids), self.max_model_len, self.pool.num_pages * self.pool.page_size)
+        # SamplingParams is a placeholder here: the request never samples and wants no output token.
+        request = Request(request_id, list(prompt_token_ids), _NO_SAMPLING, 0)
+        request.pooled = PooledState(resolve_pooling_type(params, self.pooling_type), params.normalize)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self.prompt_tokens_total += len(prompt_token_ids)
+        self.pooling_requests_total += 1
 
     def finish_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED, stop_reason: str | None = None
@@ -231,6 +254,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         for r in sched.preempted:
             self._release_speculation(r.request_id)
+            if r.pooled is not None:
+                r.pooled.reset()  # it recomputes its prompt from position 0
         if not sched.chunks:
             return []
         self.num_steps += 1
@@ -245,12 +270,17 @@ class EngineCore:
                 drafts[r.request_id] = r.spec_token_ids[: c.num_drafts]
                 tokens = tokens + drafts[r.request_id]
             r.spec_token_ids = []  # used or dropped: the next proposal starts from what is accepted
-            chunks.append(
-                SeqChunk(tokens, start, r.pages, c.samples, all_logits=r.needs_prompt_logits, num_logits=1 + c.num_drafts)
-            )
+            pooling_type = r.pooled.pooling_type if r.pooled is not None else None
+            chunks.append(SeqChunk(tokens, start, r.pages, c.samples and pooling_type is None,
+                                   all_logits=r.needs_prompt_logits, num_logits=1 + c.num_drafts,
+                                   pooling_type=pooling_type))
             self.prompt_tokens_computed_total += max(0, min(start + known, r.num_prompt_tokens) - start)
-        sampling = [c.request for c in sched.chunks if c.samples]
-        logits = self.runner.execute(chunks)
+        sampling = [c.request for c in sched.chunks if c.samples and c.request.pooled is None]
+        pooled: list[torch.Tensor] = []
+        if any(chunk.pooling_type is not None for chunk in chunks):
+            logits, pooled = self.runner.execute_pooled(chunks)
+        else:
+            logits = self.runner.execute(chunks)
         if any(chunk.all_logits for chunk in chunks):
             logits = self._collect_prompt_logprobs(chunks, [c.request for c in sched.chunks], logits)
         for c in sched.chunks:
@@ -261,10 +291,28 @@ class EngineCore:
                 # A prefill chunk: publish its full pages now, so requests admitted while this one
                 # is still running share its prompt. Decode pages wait for the release.
                 self.scheduler.cache_computed(c.request)
-        outputs = self._sample_and_append(sampling, [drafts.get(r.request_id, []) for r in sampling], logits)
+        outputs = self._finish_pooled(sched.chunks, chunks, pooled)
+        outputs += self._sample_and_append(sampling, [drafts.get(r.request_id, []) for r in sampling], logits)
         self._propose()
         self._maybe_check_idle()
         self.step_stats.end(sched.chunks)
+        return outputs
+
+    def _finish_pooled(self, scheduled: list, chunks: list[SeqChunk], pooled: list[torch.Tensor]) -> list[EngineOutput]:
+        """Adds each embedding chunk's part to its request; a request whose prompt is complete ends
+        now ("stop"), its pages back in the pool, its vector the output."""
+        outputs: list[EngineOutput] = []
+        parts = iter(pooled)
+        for c, chunk in zip(scheduled, chunks):
+            r = c.request
+            if r.pooled is None:
+                continue
+            r.pooled.add(next(parts), chunk.start)
+            if r.num_computed_tokens == r.num_tokens:
+                self.requests.pop(r.request_id, None)
+                self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
+                outputs.append(EngineOutput(r.request_id, [], True, r.finish_reason, timeline=r.timeline.summary(),
+                                            embedding=r.pooled.result(r.num_prompt_tokens)))
         return outputs
 
     def _sample_and_append(
@@ -451,6 +499,7 @@ class EngineCore:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "prompt_tokens_computed_total": self.prompt_tokens_computed_total,
+            "pooling_requests_total": self.pooling_requests_total,
             "prefix_cache_queries_tokens_total": queries,
             "prefix_cache_hit_tokens_total": hits,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,

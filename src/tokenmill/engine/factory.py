@@ -14,6 +14,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.kv_offload import PageIO, build_offload
 from tokenmill.model.builder import build_model
+from tokenmill.model.pooling import declared_pooling
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
                             config.max_model_len, config.num_pages, config.page_size)
         runner = built.runner
     mc, model = built.config, built.runner.model
-    core = EngineCore(config, runner, mc.vocab_size, mc.eos_token_ids, built.max_model_len)
+    pooling = declared_pooling(built.source) or "last"  # for embedding requests
+    core = EngineCore(config, runner, mc.vocab_size, mc.eos_token_ids, built.max_model_len, pooling_type=pooling)
     if config.kv_cache_dir is not None:
         attach_disk_tier(core, config, runner)
     logger.info(

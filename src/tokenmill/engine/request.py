@@ -13,6 +13,7 @@ from tokenmill.engine.timeline import RequestTimeline
 from tokenmill.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenmill.engine.pooling import PooledState
     from tokenmill.kvcache.radix_cache import RadixNode
     from tokenmill.sample.logprobs import TokenLogprobs
 
@@ -79,6 +80,9 @@ class Request:
     # Speculative decoding: tokens a proposer guessed will follow all_token_ids, verified in the next
     # step and then cleared. Never part of all_token_ids, the prefix tree or any count until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # An embedding request (engine/pooling.py): prefill only, no sampling, no prefix cache; `params`
+    # is then a placeholder and max_tokens 0.
+    pooled: PooledState | None = None
     # prompt + output in one list, so a step can slice the tokens it computes without concatenating.
     all_token_ids: list[int] = field(init=False)
     timeline: RequestTimeline = field(init=False, repr=False)  # stage times (engine/timeline.py)
@@ -94,6 +98,10 @@ class Request:
         """Whether prompt positions still lack their logprobs: such a request computes its whole prompt
         (a cached prefix has K/V but no logits) and its prefill chunks return logits for every row."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        return self.pooled is None
 
     @property
     def num_tokens(self) -> int:

@@ -211,7 +211,7 @@ class Scheduler:
 
     # ---- prefix cache ----------------------------------------------------------------------------
     def _match_prefix(self, request: Request) -> None:
-        if self.cache is None or request.needs_prompt_logits:
+        if self.cache is None or request.needs_prompt_logits or not request.uses_prefix_cache:
             return  # a request that needs prompt logprobs computes its whole prompt (vLLM does too)
         # A full hit must still compute the last known token (its logits sample the next one), and
         # only whole pages are shared: match at most num_tokens - 1, rounded down to a page.
@@ -248,8 +248,8 @@ class Scheduler:
         computed the same tokens first), the request switches to the tree's page and frees its own
         copy: same tokens at the same positions, so the same K/V.
         """
-        if self.cache is None or not request.holds_kv:
-            return
+        if self.cache is None or not request.holds_kv or not request.uses_prefix_cache:
+            return  # an embedding request's K/V goes back to the pool (engine/pooling.py says why)
         num_full = request.num_computed_tokens // self.pool.page_size
         if num_full <= request.num_tree_pages:
             return

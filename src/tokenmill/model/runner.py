@@ -14,6 +14,7 @@ import torch
 from tokenmill.model.attention import AttentionMetadata, PrefillSpan
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.pooling import chunk_pool
 
 # Chunks up to this many tokens are attended to as decode rows, one per token (speculative rows, short
 # tails of prompts); longer ones through SDPA, whose per-chunk gather of the context then pays off.
@@ -34,6 +35,9 @@ class SeqChunk:
     # With sample: logits for this many trailing tokens. A speculative chunk (the last token, then
     # k draft tokens) needs k + 1 to verify its drafts.
     num_logits: int = 1
+    # An embedding request's chunk: the runner also returns this chunk's part of the pooled final
+    # hidden state ("last", "mean", "cls"; model/pooling.py). Such a chunk never samples.
+    pooling_type: str | None = None
 
 
 class ModelRunner:
@@ -64,12 +68,22 @@ class ModelRunner:
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """fp32 logits, in the order of `chunks`: `num_logits` rows (usually 1) for each chunk with
         sample=True, one row per token for a chunk with all_logits=True (see _logit_rows)."""
+        return self.execute_pooled(chunks)[0]
+
+    @torch.inference_mode()
+    def execute_pooled(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`execute`'s logits, and for each chunk with a `pooling_type`, in order, its part of the
+        pooled final hidden state (after the final norm): one fp32 vector [hidden]."""
         # Decode rows first: attention batches them together (see attention.py).
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > self.max_rows_as_decode)
         ordered = [chunks[i] for i in order]
         input_ids, positions, meta, last_rows = self._prepare(ordered)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
-        return self.model.compute_logits(hidden[self._logit_rows(chunks, order, last_rows)])
+        logits = self.model.compute_logits(hidden[self._logit_rows(chunks, order, last_rows)])
+        last = {i: last_rows[j] for j, i in enumerate(order)}
+        pooled = [chunk_pool(hidden[last[i] - len(c.token_ids) + 1 : last[i] + 1], c.pooling_type)
+                  for i, c in enumerate(chunks) if c.pooling_type is not None]
+        return logits, pooled
 
     def shutdown(self) -> None:
         """Nothing to release here; a tensor-parallel runner (parallel/runner.py) stops its other ranks."""

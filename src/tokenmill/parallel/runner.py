@@ -41,6 +41,11 @@ class TensorParallelRunner:
         self.group.broadcast_bytes(_encode(chunks))
         return self.inner.execute(chunks)
 
+    def execute_pooled(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # The other ranks run `execute` on the same chunks: the same forward and the same collectives.
+        self.group.broadcast_bytes(_encode(chunks))
+        return self.inner.execute_pooled(chunks)
+
     def shutdown(self) -> None:
         """Tells the other ranks to stop, and waits for the ones this process started."""
         if self._closed:
