@@ -153,3 +153,17 @@ def test_cached_tokens_are_reported_for_a_repeated_prompt(llm):
     assert second.num_cached_tokens == (len(second.prompt_token_ids) - 1) // 16 * 16
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.reset_prefix_cache() and llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+
+
+def test_embed_returns_one_unit_vector_per_prompt(llm):
+    text = "Paris is the capital of France."
+    ids = llm.tokenizer.encode(text)
+    cached_before = llm.stats()["kv_pages_cached"]
+    a, b, c = llm.embed([text, ids, "A completely different sentence about cooking."])
+    assert len(a) == llm.engine.runner.model.config.hidden_size
+    assert a == b  # the same prompt as text or ids, alone or batched: the same vector
+    assert abs(sum(x * x for x in a) - 1.0) < 1e-4 and a != c
+    # alone: another batch shape, so fast mode's kernels may round differently in the last bits
+    assert max(abs(x - y) for x, y in zip(llm.embed(text)[0], a)) < 1e-4
+    stats = llm.stats()
+    assert stats["kv_pages_in_use"] == 0 and stats["kv_pages_cached"] == cached_before  # nothing kept

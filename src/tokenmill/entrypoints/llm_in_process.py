@@ -24,6 +24,7 @@ from tokenmill.frontend.output_state import RequestOutputState
 from tokenmill.frontend.outputs import CompletionOutput, RequestOutput
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.model.default_model import default_model_path
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sample.sampling_params import OutputKind, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -83,6 +84,27 @@ class InProcessLLM:
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tools=tools, chat_template_kwargs=chat_template_kwargs
         )
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None) -> list[list[float]]:
+        """One vector per prompt: the pooled final hidden state (the model's declared pooling, else
+        the last token's), L2-normalised unless `pooling_params` says otherwise. The prompts run as
+        embedding requests of the engine (engine/pooling.py): batched, prefill only, no KV kept."""
+        params = pooling_params or PoolingParams()
+        ids = [self._tokenize(p)[1] for p in _as_prompt_list(prompts)]
+        rids = [f"embed-{next(self._ids)}" for _ in ids]
+        vectors: dict[str, list[float]] = {}
+        try:
+            for rid, prompt_ids in zip(rids, ids):
+                self.engine.add_request(rid, prompt_ids, params)
+            while len(vectors) < len(rids):
+                for out in self.engine.step():
+                    if out.embedding is not None:
+                        vectors[out.request_id] = out.embedding.tolist()
+        finally:
+            for rid in rids:  # an exception mid-run must not leave requests holding KV pages
+                self.engine.abort_request(rid)
+        return [vectors[rid] for rid in rids]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields the completion's text piece by piece as the engine produces it (one request)."""
