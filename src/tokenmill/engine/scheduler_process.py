@@ -33,6 +33,8 @@ from tokenmill.ipc.messages import (
     AbortRequest,
     AddRequest,
     DetokenizeRequest,
+    EmbeddingBatch,
+    EmbeddingOutput,
     FinishRequest,
     Logprob,
     ProcessFailed,
@@ -113,6 +115,9 @@ class SchedulerLoop:
         if message.cache_salt is not None and self.supports_cache_salt:
             kwargs["cache_salt"] = message.cache_salt
         try:
+            if message.pooling is not None:  # an embedding: its one output goes straight to main
+                self.engine.add_request(rid, message.prompt_token_ids, message.pooling)
+                return
             self.engine.add_request(rid, message.prompt_token_ids, message.params, **kwargs)
         except InvalidRequest as exc:
             self.to_main.send(RequestFailed(rid, exc.message, 400, exc.param))
@@ -134,6 +139,11 @@ class SchedulerLoop:
             logger.exception("engine step failed; aborting every request in flight")
             self._fail_all(f"internal engine error: {traceback.format_exc(limit=1).strip()}")
             return
+        embeddings = [EmbeddingOutput(out.request_id, out.embedding.numpy().astype("<f4").tobytes())
+                      for out in outputs if out.embedding is not None]
+        if embeddings:
+            self.to_main.send(EmbeddingBatch(embeddings))
+            outputs = [out for out in outputs if out.embedding is None]
         if outputs:
             self._emit([self._convert(out) for out in outputs])
 

@@ -34,6 +34,7 @@ from tokenmill.ipc.messages import (
     AbortRequest,
     AddRequest,
     DetokenizerReady,
+    EmbeddingBatch,
     ProcessFailed,
     RequestFailed,
     SchedulerReady,
@@ -176,6 +177,9 @@ class DataParallelRouter:
             for out in message.outputs:
                 if out.finished:
                     self._done(out.request_id)
+        elif isinstance(message, EmbeddingBatch):
+            for item in message.outputs:
+                self._done(item.request_id)
         elif isinstance(message, RequestFailed):
             self._done(message.request_id)
         elif isinstance(message, SchedulerStats):

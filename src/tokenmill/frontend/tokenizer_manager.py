@@ -32,6 +32,8 @@ from tokenmill.ipc.messages import (
     AbortRequest,
     AddRequest,
     DetokenizerReady,
+    EmbeddingBatch,
+    EmbeddingOutput,
     ProcessFailed,
     RequestFailed,
     SchedulerReady,
@@ -40,9 +42,12 @@ from tokenmill.ipc.messages import (
     TextOutput,
     ToMain,
 )
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sample.sampling_params import OutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+_EMBEDDING_PLACEHOLDER = SamplingParams(max_tokens=1)  # AddRequest's params, unused with `pooling`
 
 
 class ServerStatus(enum.Enum):
@@ -339,6 +344,45 @@ class TokenizerManager:
                 if state is not None and not state.finished:
                     self._to_scheduler.send(AbortRequest(rid))
 
+    async def embed(self, request_id: str, prompts: Sequence[list[int]], pooling: PoolingParams,
+                    prompt_param: str = "input") -> list[bytes]:
+        """Embedding requests `{request_id}-{i}`, one per prompt: their vectors (float32 bytes) in order.
+        They never reach the detokenizer; leaving early aborts the unfinished ones."""
+        self.check_ready()
+        limits = self.limits
+        assert limits is not None
+        self.check_queue(len(prompts), limits)
+        for ids in prompts:
+            if not ids:
+                raise InvalidRequest("an input is empty", param=prompt_param)
+            bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {limits.vocab_size})", prompt_param)
+            if len(ids) > limits.max_model_len:
+                raise RequestError(f"this model's context length is {limits.max_model_len} tokens, but an input "
+                                   f"has {len(ids)} tokens", 400, prompt_param, "context_length_exceeded")
+        queue: asyncio.Queue = asyncio.Queue()
+        rids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        vectors: list[bytes] = [b""] * len(rids)
+        try:
+            for i, (rid, ids) in enumerate(zip(rids, prompts)):
+                self._states[rid] = _SeqState(queue, i, time.monotonic(), False)
+                self._to_scheduler.send(AddRequest(rid, list(ids), _EMBEDDING_PLACEHOLDER, pooling=pooling))
+            left = len(rids)
+            while left:
+                item = await queue.get()
+                if isinstance(item, RequestError):
+                    raise item
+                if isinstance(item[1], EmbeddingOutput):  # (a drain queues a TextOutput, then its error)
+                    vectors[item[0]] = item[1].embedding
+                    left -= 1
+        finally:
+            for rid in rids:
+                state = self._states.pop(rid, None)
+                if state is not None and not state.finished:
+                    self._to_scheduler.send(AbortRequest(rid))
+        return vectors
+
     # ---- health ------------------------------------------------------------------------------
     async def health(self) -> bool:
         if self.status is not ServerStatus.UP:
@@ -393,6 +437,12 @@ class TokenizerManager:
                     self._deliver(state, out, now)
                 elif out.timeline is not None:
                     self.timelines.engine(out.request_id, out.timeline)
+        elif isinstance(message, EmbeddingBatch):
+            for item in message.outputs:
+                state = self._states.get(item.request_id)
+                if state is not None:
+                    state.finished = True
+                    state.queue.put_nowait((state.index, item))
         elif isinstance(message, SchedulerStats):
             self.stats = message
         elif isinstance(message, RequestFailed):

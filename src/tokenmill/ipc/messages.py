@@ -6,7 +6,8 @@ Three PULL sockets, one per receiving process; each decodes a tagged union of wh
     detokenizer -> sched.  FinishRequest (a stop string matched)    (ToScheduler)
     scheduler -> detok.    DetokenizeRequest, TokenBatch            (ToDetokenizer)
     detokenizer -> main    TextBatch                                (ToMain)
-    scheduler -> main      SchedulerReady, RequestFailed, SchedulerStats, ProcessFailed  (ToMain)
+    scheduler -> main      SchedulerReady, RequestFailed, SchedulerStats, ProcessFailed,
+                           EmbeddingBatch (embedding requests never reach the detokenizer)  (ToMain)
     detokenizer -> main    DetokenizerReady, ProcessFailed          (ToMain)
 
 A detokenizer learns about a request from the scheduler (DetokenizeRequest), on the same channel as its
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sample.sampling_params import SamplingParams
 
 
@@ -35,6 +37,8 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams  # a dataclass: msgspec rebuilds it and re-runs its validation
     cache_salt: str | None = None
+    # Set: an embedding request (engine/pooling.py); `params` is then ignored.
+    pooling: PoolingParams | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -102,6 +106,18 @@ class TextOutput(msgspec.Struct, array_like=True):
 
 class TextBatch(msgspec.Struct, tag=True):
     outputs: list[TextOutput]
+
+
+# ---- scheduler -> main: embeddings ------------------------------------------------------------
+class EmbeddingOutput(msgspec.Struct, array_like=True):
+    request_id: str
+    embedding: bytes  # float32, little-endian: 4 bytes a dimension, half of msgpack's float64 list
+
+
+class EmbeddingBatch(msgspec.Struct, tag=True):
+    """The embedding requests one engine step finished (each ends in one output)."""
+
+    outputs: list[EmbeddingOutput]
 
 
 # ---- control messages to main -----------------------------------------------------------------
@@ -177,4 +193,4 @@ class SchedulerStats(msgspec.Struct, tag=True):
 
 ToScheduler = AddRequest | AbortRequest | FinishRequest
 ToDetokenizer = DetokenizeRequest | TokenBatch
-ToMain = TextBatch | SchedulerReady | DetokenizerReady | ProcessFailed | RequestFailed | SchedulerStats
+ToMain = TextBatch | EmbeddingBatch | SchedulerReady | DetokenizerReady | ProcessFailed | RequestFailed | SchedulerStats

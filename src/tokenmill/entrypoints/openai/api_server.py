@@ -27,6 +27,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.config import DataParallelConfig, EngineConfig
+from tokenmill.entrypoints.ollama.routes import install_ollama
 from tokenmill.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from tokenmill.entrypoints.openai.dashboard import install_dashboard
 from tokenmill.entrypoints.openai.errors import error_response, install_handlers
@@ -44,6 +45,7 @@ from tokenmill.entrypoints.openai.request_log import RequestLogMiddleware
 from tokenmill.entrypoints.openai.serving_chat import ChatServing
 from tokenmill.entrypoints.openai.serving_common import check_model, now_s
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
+from tokenmill.entrypoints.openai.serving_embedding import EmbeddingServing
 from tokenmill.entrypoints.openai.serving_tokenize import TokenizeServing
 from tokenmill.frontend.dp_router import DataParallelRouter
 from tokenmill.frontend.live_bound import install_live_bound
@@ -97,6 +99,7 @@ class ServerState:
         self.chat = ChatServing(manager, reasoning_parser, tool_parser)
         self.completion = CompletionServing(manager)
         self.tokens = TokenizeServing(manager)
+        self.embeddings = EmbeddingServing(manager, metrics)
 
 
 def build_app(
@@ -227,6 +230,10 @@ def build_app(
     async def completions(raw: Request) -> Response:
         return await server.completion.create(raw)
 
+    @app.post("/v1/embeddings", dependencies=auth)
+    async def embeddings(raw: Request) -> Response:
+        return await server.embeddings.create(raw)
+
     @app.post("/tokenize", dependencies=auth, openapi_extra=body_doc(TokenizeRequest))
     async def tokenize(raw: Request) -> Response:
         return await server.tokens.tokenize(raw)
@@ -236,6 +243,7 @@ def build_app(
         return await server.tokens.detokenize(raw)
 
     install_dashboard(app, lambda: server.manager, config.api_key, lambda: server.replicas)  # dashboard.py
+    install_ollama(app, lambda: server, config.model_path, auth)  # Ollama's /api/* (entrypoints/ollama/)
     return app
 
 

@@ -51,6 +51,11 @@ class ServerMetrics:
                             "Sequences sent to the scheduler with no output yet (what --max-queued-requests bounds)",
                             registry=self.registry)
         self.queued.set_function(queued)
+        # Embedding requests (POST /v1/embeddings, /api/embed): counted here, apart from generation.
+        self.embedding_requests = Counter("tokenmill:embedding_requests", "Embedding requests served",
+                                          registry=self.registry)
+        self.embedding_tokens = Counter("tokenmill:embedding_prompt_tokens", "Input tokens of embedding requests",
+                                        registry=self.registry)
         self.registry.register(_EngineCollector(stats, replicas))
 
     # MetricsSink (frontend/tokenizer_manager.py)
@@ -70,6 +75,10 @@ class ServerMetrics:
     def observe_finished(self, e2e_seconds: float, finish_reason: str | None) -> None:
         self.e2e.observe(e2e_seconds)
         self.finished.labels(finished_reason=finish_reason or "unknown").inc()
+
+    def observe_embedding(self, num_tokens: int) -> None:
+        self.embedding_requests.inc()
+        self.embedding_tokens.inc(num_tokens)
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)

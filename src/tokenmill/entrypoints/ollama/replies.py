@@ -1,0 +1,92 @@
+"""Ollama's reply fields: model, created_at, durations in nanoseconds, counts, and the model cards
+of /api/tags, /api/ps and /api/show."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# What /api/version reports: the Ollama API version whose fields these replies carry. Clients gate
+# features on it (tools, think, structured format), so it is Ollama's number, not tokenmill's.
+OLLAMA_API_VERSION = "0.12.0"
+
+
+def created_at() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class Timing:
+    """Where a request's time went, on the API process's clock (Ollama's *_duration fields)."""
+
+    arrival: float
+    first: float | None = None  # the first output came: the prompt was evaluated
+    last: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def saw_output(self, num_output_tokens: int) -> None:
+        now = time.monotonic()
+        self.first = self.first or now
+        self.last = now
+        self.output_tokens = num_output_tokens
+
+    def fields(self) -> dict[str, Any]:
+        now = time.monotonic()
+        first = self.first or now
+        return {
+            "total_duration": int((now - self.arrival) * 1e9),
+            "load_duration": 0,  # the model is loaded when the server starts
+            "prompt_eval_count": self.prompt_tokens,
+            "prompt_eval_duration": int((first - self.arrival) * 1e9),
+            "eval_count": self.output_tokens,
+            "eval_duration": int(((self.last or first) - first) * 1e9),
+        }
+
+
+def done_reason(finish_reason: str | None) -> str:
+    return "length" if finish_reason == "length" else "stop"
+
+
+class ModelCard:
+    """The one model this server serves, as Ollama's listings describe a model."""
+
+    def __init__(self, name: str, path: str, max_model_len: int, architecture: str = "llama") -> None:
+        self.name = name
+        self.path = path
+        self.max_model_len = max_model_len
+        self.architecture = architecture
+        try:
+            stat = os.stat(path)
+            self.size = stat.st_size if os.path.isfile(path) else _folder_size(path)
+            self.modified = datetime.datetime.fromtimestamp(stat.st_mtime, datetime.timezone.utc).isoformat()
+        except OSError:
+            self.size, self.modified = 0, created_at()
+        # An identity, not a content hash (hashing gigabytes at start-up would cost seconds): it
+        # changes when the file does.
+        self.digest = hashlib.sha256(f"{os.path.abspath(path)}:{self.size}:{self.modified}".encode()).hexdigest()
+
+    def names(self) -> tuple[str, ...]:
+        return (self.name, f"{self.name}:latest")
+
+    def details(self) -> dict[str, Any]:
+        fmt = "gguf" if self.path.lower().endswith(".gguf") else "safetensors"
+        return {"parent_model": "", "format": fmt, "family": self.architecture, "families": [self.architecture],
+                "parameter_size": "", "quantization_level": ""}
+
+    def tag(self) -> dict[str, Any]:
+        return {"name": f"{self.name}:latest", "model": f"{self.name}:latest", "modified_at": self.modified,
+                "size": self.size, "digest": self.digest, "details": self.details()}
+
+    def running(self) -> dict[str, Any]:
+        # Loaded for as long as the server runs: expires far in the future, as Ollama shows keep_alive -1.
+        return {**self.tag(), "expires_at": "2318-08-13T00:00:00Z", "size_vram": 0, "context_length": self.max_model_len}
+
+
+def _folder_size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)

@@ -1,0 +1,128 @@
+"""Ollama's API through one real `tokenmill serve` on the bundled model, driven by the real `ollama`
+Python client, unmodified: chat and generate (streamed and not), tags, ps, show, embed, a tool call
+(grammar-constrained: tokenmill's `tool_choice` option), a JSON-schema format, a 501 for the model
+store and Ollama's error for an unknown model."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.frontend.conftest import bundled_gguf_path
+from tests.server.server_process import ServerProcess
+
+ollama = pytest.importorskip("ollama")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed"),
+]
+
+GREEDY = {"temperature": 0, "num_predict": 12}
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess()
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return ollama.Client(host=server.url, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.list().models[0].model
+
+
+def test_tags_ps_show_version(client, model, server):
+    tags = client.list().models
+    assert len(tags) == 1 and model.endswith(":latest") and tags[0].size > 0 and tags[0].details.format == "gguf"
+    running = client.ps().models
+    assert running[0].model == model and running[0].expires_at is not None
+    shown = client.show(model)
+    assert "completion" in shown.capabilities and shown.modelinfo["general.architecture"] == "llama"
+    assert "im_start" in shown.template  # SmolLM2's chat template
+    assert httpx.get(f"{server.url}/api/version").json()["version"]
+
+
+def test_chat_and_its_stream_agree(client, model):
+    reply = client.chat(model=model, messages=CHAT, options=GREEDY)
+    assert reply.done and reply.done_reason in ("stop", "length") and reply.message.role == "assistant"
+    assert "Paris" in reply.message.content
+    assert reply.prompt_eval_count > 5 and 0 < reply.eval_count <= 12
+    assert reply.total_duration >= reply.prompt_eval_duration > 0 and reply.created_at
+    chunks = list(client.chat(model=model, messages=CHAT, options=GREEDY, stream=True))
+    assert all(not c.done for c in chunks[:-1]) and chunks[-1].done and chunks[-1].eval_count == reply.eval_count
+    assert "".join(c.message.content for c in chunks) == reply.message.content
+    # options reach the sampler: num_predict cuts the output, a stop string ends it
+    short = client.chat(model=model, messages=CHAT, options={"temperature": 0, "num_predict": 2})
+    assert short.eval_count == 2 and short.done_reason == "length"
+
+
+def test_generate_templated_raw_and_streamed(client, model):
+    reply = client.generate(model=model, prompt="What is the capital of France?", options=GREEDY)
+    assert reply.done and "Paris" in reply.response and reply.context
+    streamed = list(client.generate(model=model, prompt="What is the capital of France?", options=GREEDY,
+                                    stream=True))
+    assert "".join(c.response for c in streamed) == reply.response and streamed[-1].done
+    raw = client.generate(model=model, prompt="1, 2, 3, 4,", raw=True,
+                          options={"temperature": 0, "num_predict": 6, "stop": [" 7"]})
+    assert raw.response.startswith(" 5") and " 7" not in raw.response
+    loaded = client.generate(model=model, keep_alive=0)  # Ollama's "release the model" call
+    assert loaded.done and loaded.done_reason == "unload"
+
+
+def test_format_json_schema(client, model):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    reply = client.chat(model=model, messages=CHAT, format=schema, options={"temperature": 0, "num_predict": 40})
+    assert set(json.loads(reply.message.content)) == {"city"}
+
+
+def test_tool_call(client, model):
+    def get_weather(city: str) -> str:
+        """Get the weather in a city.
+
+        Args:
+          city: The city name
+        """
+        return "sunny"
+
+    reply = client.chat(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                        tools=[get_weather], options={"temperature": 0, "num_predict": 60, "tool_choice": "required"})
+    calls = reply.message.tool_calls
+    assert calls and calls[0].function.name == "get_weather" and isinstance(calls[0].function.arguments["city"], str)
+    # the round trip: the call and its result go back in Ollama's shape
+    follow = client.chat(model=model, options=GREEDY, messages=[
+        {"role": "user", "content": "Weather in Paris?"}, reply.message,
+        {"role": "tool", "content": "sunny", "tool_name": "get_weather"}])
+    assert follow.done and follow.message.content
+
+
+def test_embed(client, model):
+    out = client.embed(model=model, input=["Paris is in France.", "Bananas are yellow."])
+    assert len(out.embeddings) == 2 and len(out.embeddings[0]) == 576 and out.prompt_eval_count > 5
+    assert abs(sum(x * x for x in out.embeddings[0]) - 1) < 1e-4
+
+
+def test_errors_in_ollama_shape(client, server):
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model="no-such-model:7b", messages=CHAT)
+    assert err.value.status_code == 404 and "no-such-model" in err.value.error
+    with pytest.raises(ollama.ResponseError) as err:
+        client.pull("llama3")
+    assert err.value.status_code == 501 and "model store" in err.value.error
+    r = httpx.post(f"{server.url}/api/chat", json={"messages": CHAT, "options": {"temperature": "hot"}})
+    assert r.status_code == 400 and "options.temperature" in r.json()["error"]
+    with pytest.raises(ollama.ResponseError) as err:
+        client.delete("x")
+    assert err.value.status_code == 501
