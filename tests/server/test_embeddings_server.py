@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import base64
 import math
-from array import array
 import time
+from array import array
 
 import httpx
 import openai
