@@ -19,7 +19,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_offload import KVOffload
-from tokenmill.engine.pooling import PooledState, check_pooling_prompt, resolve_pooling_type
+from tokenmill.engine.pooling import add_pooled_parts, pooling_request
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.scheduling_policy import make_policy
@@ -36,8 +36,6 @@ from tokenmill.sample.sampling_params import SamplingParams
 from tokenmill.sample.speculative import accepted_run, verification_batch
 
 logger = logging.getLogger(__name__)
-
-_NO_SAMPLING = SamplingParams(max_tokens=1)  # an embedding request's placeholder params
 
 
 @dataclass
@@ -166,10 +164,8 @@ class EngineCore:
         self.prompt_tokens_total += n_prompt
 
     def _add_pooling(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
-        check_pooling_prompt(len(prompt_token_ids), self.max_model_len, self.pool.num_pages * self.pool.page_size)
-        # SamplingParams is a placeholder here: the request never samples and wants no output token.
-        request = Request(request_id, list(prompt_token_ids), _NO_SAMPLING, 0)
-        request.pooled = PooledState(resolve_pooling_type(params, self.pooling_type), params.normalize)
+        capacity = self.pool.num_pages * self.pool.page_size
+        request = pooling_request(request_id, prompt_token_ids, params, self.pooling_type, self.max_model_len, capacity)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.prompt_tokens_total += len(prompt_token_ids)
@@ -299,20 +295,14 @@ class EngineCore:
         return outputs
 
     def _finish_pooled(self, scheduled: list, chunks: list[SeqChunk], pooled: list[torch.Tensor]) -> list[EngineOutput]:
-        """Adds each embedding chunk's part to its request; a request whose prompt is complete ends
-        now ("stop"), its pages back in the pool, its vector the output."""
-        outputs: list[EngineOutput] = []
-        parts = iter(pooled)
-        for c, chunk in zip(scheduled, chunks):
-            r = c.request
-            if r.pooled is None:
-                continue
-            r.pooled.add(next(parts), chunk.start)
-            if r.num_computed_tokens == r.num_tokens:
-                self.requests.pop(r.request_id, None)
-                self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
-                outputs.append(EngineOutput(r.request_id, [], True, r.finish_reason, timeline=r.timeline.summary(),
-                                            embedding=r.pooled.result(r.num_prompt_tokens)))
+        """Embedding requests whose prompt this step completed end now ("stop"), their pages back
+        in the pool, their vector the output."""
+        outputs = []
+        for r in add_pooled_parts([c.request for c in scheduled], chunks, pooled):
+            self.requests.pop(r.request_id, None)
+            self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
+            outputs.append(EngineOutput(r.request_id, [], True, r.finish_reason, timeline=r.timeline.summary(),
+                                        embedding=r.pooled.result(r.num_prompt_tokens)))
         return outputs
 
     def _sample_and_append(

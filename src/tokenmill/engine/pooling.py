@@ -17,8 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.engine.request import Request
 from tokenmill.errors import InvalidRequest
+from tokenmill.model.runner import SeqChunk
 from tokenmill.pooling_params import PoolingParams
+from tokenmill.sample.sampling_params import SamplingParams
 
 
 class PooledState:
@@ -48,13 +51,32 @@ class PooledState:
         return F.normalize(vector, dim=0) if self.normalize else vector
 
 
-def check_pooling_prompt(n_prompt: int, max_model_len: int, kv_capacity: int) -> None:
-    """An embedding input must fit the context and the KV pool whole (no room for output needed)."""
-    if n_prompt > max_model_len:
-        raise InvalidRequest(f"the input has {n_prompt} tokens; the context length is {max_model_len}", "input")
-    if n_prompt > kv_capacity:
-        raise InvalidRequest(f"the input has {n_prompt} tokens; the KV cache holds {kv_capacity}", "input")
+# An embedding request's SamplingParams: a placeholder, it never samples and wants no output token.
+_NO_SAMPLING = SamplingParams(max_tokens=1)
 
 
-def resolve_pooling_type(params: PoolingParams, model_default: str) -> str:
-    return params.pooling_type or model_default
+def pooling_request(request_id: str, prompt_token_ids: list[int], params: PoolingParams, model_pooling: str,
+                    max_model_len: int, kv_capacity: int) -> Request:
+    """The engine request of an embedding: the input must fit the context and the KV pool whole
+    (no room for output needed); `model_pooling` is the type the model's files declare."""
+    n = len(prompt_token_ids)
+    if n > max_model_len:
+        raise InvalidRequest(f"the input has {n} tokens; the context length is {max_model_len}", "input")
+    if n > kv_capacity:
+        raise InvalidRequest(f"the input has {n} tokens; the KV cache holds {kv_capacity}", "input")
+    request = Request(request_id, list(prompt_token_ids), _NO_SAMPLING, 0)
+    request.pooled = PooledState(params.pooling_type or model_pooling, params.normalize)
+    return request
+
+
+def add_pooled_parts(requests: list[Request], chunks: list[SeqChunk], pooled: list[torch.Tensor]) -> list[Request]:
+    """Adds each embedding chunk's part (the runner's, in chunk order) to its request; returns the
+    requests whose prompt is now complete (their `num_computed_tokens` already counts this step)."""
+    parts = iter(pooled)
+    done = []
+    for r, chunk in zip(requests, chunks):
+        if r.pooled is not None:
+            r.pooled.add(next(parts), chunk.start)
+            if r.num_computed_tokens == r.num_tokens:
+                done.append(r)
+    return done
