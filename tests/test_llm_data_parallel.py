@@ -19,6 +19,7 @@ def test_two_replicas_answer_like_one_engine_in_the_callers_order(tmp_path):
     folder = str(make_tiny_model(tmp_path, "llama"))
     one = LLM(folder, precision="exact", num_threads=1, kv_cache_tokens=2048)
     expected = one.generate(PROMPTS, GREEDY)
+    vectors = one.embed(PROMPTS)
     with LLM(folder, precision="exact", num_threads=2, kv_cache_tokens=2048, data_parallel_size=2) as llm:
         assert isinstance(llm, DataParallelLLM) and isinstance(llm, LLM)
         got = llm.generate(PROMPTS, [GREEDY] * 6 + [SamplingParams(temperature=0.0, max_tokens=8, n=2)])
@@ -29,6 +30,9 @@ def test_two_replicas_answer_like_one_engine_in_the_callers_order(tmp_path):
         stats = llm.stats()
         assert len(stats["replicas"]) == 2
         assert all(s["generation_tokens_total"] > 0 for s in stats["replicas"]), "a replica got no share"
+        # embeddings too, spread over both replicas, in the caller's order (exact mode: the same bits)
+        assert llm.embed(PROMPTS) == vectors
+        assert all(s["pooling_requests_total"] > 0 for s in llm.stats()["replicas"])
         llm.check_integrity()
         with pytest.raises(InvalidRequest, match="stream"):
             next(iter(llm.stream("hi")))

@@ -112,6 +112,8 @@ def test_embed(client, model):
     out = client.embed(model=model, input=["Paris is in France.", "Bananas are yellow."])
     assert len(out.embeddings) == 2 and len(out.embeddings[0]) == 576 and out.prompt_eval_count > 5
     assert abs(sum(x * x for x in out.embeddings[0]) - 1) < 1e-4
+    old = client.embeddings(model=model, prompt="Paris is in France.").embedding  # the older endpoint
+    assert max(abs(x - y) for x, y in zip(old, out.embeddings[0])) < 1e-5
 
 
 def test_errors_in_ollama_shape(client, server):

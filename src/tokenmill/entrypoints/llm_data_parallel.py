@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 from tokenmill.config import DataParallelConfig, EngineConfig
-from tokenmill.entrypoints.llm_in_process import InProcessLLM, PromptType
+from tokenmill.entrypoints.llm_in_process import InProcessLLM, PromptType, _as_prompt_list
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.outputs import RequestOutput
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.model.default_model import default_model_path
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sample.sampling_params import SamplingParams
 
 _replica: InProcessLLM | None = None  # in a replica process: its engine
@@ -71,6 +73,18 @@ class DataParallelEngines(InProcessLLM):
         for share, future in futures:
             for i, out in zip(share, future.result()):
                 results[i] = replace(out, request_id=results[i].request_id)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None) -> list[list[float]]:
+        """LLM.embed across replicas: every replica embeds every N-th prompt; vectors in the caller's order."""
+        items = _as_prompt_list(prompts)
+        n = len(self.replicas)
+        futures = [replica.submit(_on_replica, *self._start, "embed", items[r::n], pooling_params)
+                   for r, replica in enumerate(self.replicas) if items[r::n]]
+        vectors: list[list[float]] = [[] for _ in items]
+        for r, future in enumerate(futures):
+            vectors[r::n] = future.result()
+        return vectors
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None):
         raise InvalidRequest("stream() runs one request, which one engine serves: use data_parallel_size 1",

@@ -1,5 +1,6 @@
-"""Ollama's API: /api/chat, /api/generate (NDJSON streams by default), /api/embed, /api/tags,
-/api/show, /api/ps, /api/version; pull / push / create / copy / delete answer 501 (no model store).
+"""Ollama's API: /api/chat, /api/generate (NDJSON streams by default), /api/embed (and the older
+/api/embeddings), /api/tags, /api/show, /api/ps, /api/version; pull / push / create / copy /
+delete answer 501 (no model store).
 
 Only translation lives here: a body becomes an OpenAI chat request (options.py), whose sampling
 params, template rendering and generation run through the same public functions as
@@ -32,7 +33,12 @@ from tokenmill.entrypoints.ollama.replies import (
 from tokenmill.entrypoints.openai.errors import as_request_error
 from tokenmill.entrypoints.openai.params import chat_sampling_params
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
-from tokenmill.entrypoints.openai.serving_common import new_id
+from tokenmill.entrypoints.openai.serving_common import (
+    ClientDisconnected,
+    disconnected_response,
+    new_id,
+    unless_disconnected,
+)
 from tokenmill.entrypoints.openai.serving_embedding import as_floats, embed_inputs
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.chat_prompt_timing import timed_chat_prompt_ids
@@ -83,7 +89,7 @@ class OllamaServing:
         return name or card.name
 
     # ---- generation ------------------------------------------------------------------------------
-    async def chat(self, body: dict[str, Any]) -> Response:
+    async def chat(self, body: dict[str, Any], raw: Request) -> Response:
         arrival = time.monotonic()
         model = self.check_model(body)
         if not body.get("messages"):
@@ -94,9 +100,9 @@ class OllamaServing:
             choice = tool_choice(body.get("options"))
             if choice is not None:
                 fields["tool_choice"] = choice
-        return await self._generate(model, body, fields, arrival, chat=True)
+        return await self._generate(model, body, fields, arrival, raw, chat=True)
 
-    async def generate(self, body: dict[str, Any]) -> Response:
+    async def generate(self, body: dict[str, Any], raw: Request) -> Response:
         arrival = time.monotonic()
         model = self.check_model(body)
         prompt = body.get("prompt") or ""
@@ -108,14 +114,14 @@ class OllamaServing:
             raise InvalidRequest("images: this model takes no images", param="images")
         messages = ([{"role": "system", "content": body["system"]}] if body.get("system") else []) + \
             [{"role": "user", "content": prompt}]
-        return await self._generate(model, body, {"messages": messages}, arrival, chat=False)
+        return await self._generate(model, body, {"messages": messages}, arrival, raw, chat=False)
 
     def _load_reply(self, model: str, body: dict[str, Any], empty: dict[str, Any]) -> JSONResponse:
         reason = "unload" if body.get("keep_alive") in (0, "0", "0s", "0m") else "load"
         return JSONResponse({"model": model, "created_at": created_at(), **empty, "done": True, "done_reason": reason})
 
     async def _generate(self, model: str, body: dict[str, Any], fields: dict[str, Any], arrival: float,
-                        chat: bool) -> Response:
+                        raw: Request, chat: bool) -> Response:
         manager, serving_chat = self.manager, self.server().chat
         assert manager.limits is not None and manager.tokenizer is not None
         fields.update(sampling_fields(body.get("options")))
@@ -152,11 +158,14 @@ class OllamaServing:
         shape = _ChatShape() if chat else _GenerateShape(ids)
         head = {"model": model}
         if body.get("stream", True) is False:
-            return JSONResponse(await _collect(parts, shape, head, timing))
+            try:  # a client gone before the end aborts the request in the engine
+                return JSONResponse(await unless_disconnected(raw, _collect(parts, shape, head, timing)))
+            except ClientDisconnected:
+                return disconnected_response()
         return StreamingResponse(_stream(parts, shape, head, timing), media_type=NDJSON)
 
     # ---- the rest ----------------------------------------------------------------------------------
-    async def embed(self, body: dict[str, Any]) -> Response:
+    async def embed(self, body: dict[str, Any], raw: Request) -> Response:
         arrival = time.monotonic()
         model = self.check_model(body)
         if body.get("dimensions") is not None:
@@ -173,7 +182,16 @@ class OllamaServing:
                              "total_duration": fields["total_duration"], "load_duration": 0,
                              "prompt_eval_count": tokens})
 
-    def show(self, body: dict[str, Any]) -> JSONResponse:
+    async def embeddings(self, body: dict[str, Any], raw: Request) -> Response:
+        """The older /api/embeddings: one `prompt`, one `embedding` (what ollama.Client.embeddings sends)."""
+        self.check_model(body)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequest("prompt must be a non-empty string", param="prompt")
+        vectors, _ = await embed_inputs(self.manager, self.server().metrics, prompt, new_id("embed"), "prompt")
+        return JSONResponse({"embedding": as_floats(vectors[0])})
+
+    def show(self, body: dict[str, Any], raw: Request) -> JSONResponse:
         card = self.card()
         name = body.get("model") or body.get("name")
         if name not in card.names():
@@ -314,11 +332,12 @@ def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, aut
     serving = OllamaServing(server, model_path)
     router = APIRouter(dependencies=auth)
 
-    def route(method: str, path: str, work: Callable[[dict[str, Any]], Awaitable[Response] | Response]) -> None:
+    def route(method: str, path: str,
+              work: Callable[[dict[str, Any], Request], Awaitable[Response] | Response]) -> None:
         async def handler(raw: Request) -> Response:
             try:
                 body = await _body(raw) if method == "POST" else {}
-                result = work(body)
+                result = work(body, raw)
                 return await result if isinstance(result, Awaitable) else result
             except Exception as exc:
                 return ollama_error(exc)
@@ -328,12 +347,13 @@ def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, aut
     route("POST", "/api/chat", serving.chat)
     route("POST", "/api/generate", serving.generate)
     route("POST", "/api/embed", serving.embed)
+    route("POST", "/api/embeddings", serving.embeddings)
     route("POST", "/api/show", serving.show)
-    route("GET", "/api/tags", lambda _: JSONResponse({"models": [serving.card().tag()]}))
-    route("GET", "/api/ps", lambda _: JSONResponse({"models": [serving.card().running()]}))
-    route("GET", "/api/version", lambda _: JSONResponse({"version": OLLAMA_API_VERSION}))
+    route("GET", "/api/tags", lambda *_: JSONResponse({"models": [serving.card().tag()]}))
+    route("GET", "/api/ps", lambda *_: JSONResponse({"models": [serving.card().running()]}))
+    route("GET", "/api/version", lambda *_: JSONResponse({"version": OLLAMA_API_VERSION}))
     for name in MODEL_STORE:
-        async def store(_: dict[str, Any], name: str = name) -> Response:
+        async def store(body: dict[str, Any], raw: Request, name: str = name) -> Response:
             raise RequestError(f"/api/{name.split('/')[0]} is not available: tokenmill serves the model it was "
                                "started with and has no model store", 501)
         route("DELETE" if name == "delete" else "POST", f"/api/{name}", store)
