@@ -42,8 +42,12 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, arch):
     args = dict(precision="exact", kv_cache_tokens=4096, max_num_batched_tokens=24)
     one = LLM(folder, num_threads=1, **args)
     expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY)]
+    vectors = one.embed(PROMPTS)
     with LLM(folder, num_threads=2, tensor_parallel_size=2, **args) as two:
         assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY)] == expected
+        # embedding steps too (rank 0 pools, every rank runs the same forward)
+        for got, ref in zip(two.embed(PROMPTS), vectors):
+            assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-5
         two.check_integrity()
         workers = [p.pid for p in two.engine.runner.workers]
     assert len(workers) == 1 and _gone(workers[0], 10), "rank 1 outlived shutdown()"
