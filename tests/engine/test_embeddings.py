@@ -169,3 +169,18 @@ def test_declared_pooling(tmp_path):
         {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}))
     assert declared_pooling(str(tmp_path)) == "mean"
     assert declared_pooling(str(tmp_path / "1_Pooling")) is None  # no modules.json: the engine pools the last token
+
+
+def test_declared_pooling_of_a_gguf(tmp_path):
+    import gguf
+
+    for value, expected in ((gguf.PoolingType.MEAN, "mean"), (gguf.PoolingType.CLS, "cls"), (None, None)):
+        path = tmp_path / f"m-{expected}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        if value is not None:
+            writer.add_pooling_type(value)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert declared_pooling(str(path)) == expected
