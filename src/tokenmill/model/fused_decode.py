@@ -41,17 +41,17 @@ class FusedDecodeStack:
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         tensors: list[torch.Tensor] = []
-        bits: list[int] = []
+        formats: list[int] = []
         for layer in model.layers:
             tensors += [layer.input_norm.contiguous(), layer.post_norm.contiguous()]
             for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
                 w = _blocked(part)
-                tensors += [w.codes, w.scales, quant_kernel.or_empty(w.mins)]
-                bits.append(w.bits)
+                tensors += [w.codes, w.scales, quant_kernel.or_empty(w.mins), quant_kernel.or_empty(w.subs)]
+                formats.append(w.fmt)
         c = model.config
         self.kv_caches = kv_caches
         self._stack = decode_step.decode_stack(
-            tensors, bits, [k for k, _ in kv_caches], [v for _, v in kv_caches], model.norm.contiguous(),
+            tensors, formats, [k for k, _ in kv_caches], [v for _, v in kv_caches], model.norm.contiguous(),
             c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, model.attention.scale)
 
     @classmethod

@@ -15,9 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill.model.blocked_formats import FORMATS, BlockedWeight, blocked_from_file
+
+__all__ = ["KERNEL_TYPES", "BlockedWeight", "QuantizedWeight", "to_blocked", "to_blocked_gguf"]
+
 GROUP = 32
 # GGUF types read into the packed format as they are (block layout, then the bits it becomes).
 NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# GGUF types the VNNI kernels read in their own blocks (model/blocked_formats.py), kept quantized.
+KERNEL_TYPES: frozenset[str] = frozenset(FORMATS)
 
 
 @dataclass
@@ -92,23 +98,6 @@ class QuantizedWeight:
         return QuantizedWeight(codes, self.scales[:, g0:g1].contiguous(), mins, self.bits, self.kind)
 
 
-@dataclass
-class BlockedWeight:
-    """A QuantizedWeight re-laid for the AVX512-VNNI kernel (csrc/quant_vnni.h explains the layout):
-    blocks of 16 output columns, each zmm 4 inputs of 16 columns; the same bytes as the row layout."""
-
-    codes: torch.Tensor  # int4: uint8 [N/16, G, 4, 64]; int8: uint8 [N/16, G, 8, 64], codes + 128
-    scales: torch.Tensor  # float16 [N/16, G, 16]
-    mins: torch.Tensor | None
-    bits: int
-    kind: str
-    shape: tuple[int, int]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)
-
-
 def to_blocked(w: QuantizedWeight) -> BlockedWeight:
     n, k = w.shape
     if n % 16:
@@ -123,7 +112,22 @@ def to_blocked(w: QuantizedWeight) -> BlockedWeight:
     def by_block(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.reshape(n // 16, 16, g).transpose(1, 2).contiguous()
 
-    return BlockedWeight(codes, by_block(w.scales), by_block(w.mins), w.bits, w.kind, (n, k))
+    return BlockedWeight(codes.reshape(n // 16, g, w.bits * 64), by_block(w.scales), by_block(w.mins), w.bits, w.kind,
+                         (n, k))
+
+
+def to_blocked_gguf(type_name: str, raw: torch.Tensor, shape: tuple[int, int]) -> BlockedWeight:
+    """A GGUF tensor of a KERNEL_TYPES type, from its file bytes uint8 [N, bytes per row] (the row's
+    blocks in order; may be a view on a memory map: the result owns its memory), shape (N, K).
+    Q4_0 / Q4_1 / Q8_0 go through the row layout, so their numbers are QuantizedWeight's. Raises
+    ValueError naming the problem when N or K does not fit (N % 16, K % the format's block)."""
+    n, k = shape
+    if type_name in NATIVE_GGUF_TYPES:
+        if n % 16:
+            raise ValueError(f"a {type_name} weight of shape {shape}: {n} output rows is not a multiple of 16")
+        blocks = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+        return to_blocked(from_gguf_blocks(type_name, blocks, shape))
+    return blocked_from_file(type_name, raw, shape)
 
 
 def from_gguf_blocks(kind: str, blocks: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:

@@ -27,7 +27,7 @@
 namespace {
 
 constexpr int64_t kTerms = 2;  // int8 terms per activation (two: near fp32 quality, see quant_vnni.h)
-constexpr int64_t kTensorsPerLayer = 14;  // 2 norms, then codes, scales, mins of qkv, o, gate_up, down
+constexpr int64_t kTensorsPerLayer = 18;  // 2 norms, then codes, scales, mins, subs of qkv, o, gate_up, down
 
 struct Linear {
   tm_vnni::Weights w;
@@ -53,8 +53,7 @@ inline void linear_share(const Linear& l, const tm_vnni::Acts& a, int64_t T, flo
   int64_t b0, b1;
   share(l.N / tm_vnni::kCols, tid, nt, b0, b1);
   if (b0 == b1) return;
-  if (l.w.bits == 4) tm_vnni::blocks<4, kTerms>(l.w, a, 0, T, l.N, b0, b1, y);
-  else tm_vnni::blocks<8, kTerms>(l.w, a, 0, T, l.N, b0, b1, y);
+  tm_vnni::blocks<kTerms>(l.w, a, 0, T, l.N, b0, b1, y);
 }
 
 struct DecodeStack : torch::CustomClassHolder {
@@ -65,14 +64,14 @@ struct DecodeStack : torch::CustomClassHolder {
   double eps = 0, scale = 0;
   bool bf16_cache = false;
 
-  DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> bits, std::vector<at::Tensor> k_caches,
+  DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<at::Tensor> k_caches,
               std::vector<at::Tensor> v_caches, at::Tensor final_norm_in, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, double rms_eps, double attn_scale) {
     TORCH_CHECK(tm_fused::use_avx512() && tm_vnni::vnni_supported(), "the fused decode step needs AVX512-VNNI");
     const int64_t L = static_cast<int64_t>(k_caches.size());
     TORCH_CHECK(L > 0 && static_cast<int64_t>(tensors.size()) == L * kTensorsPerLayer &&
-                    static_cast<int64_t>(bits.size()) == 4 * L && static_cast<int64_t>(v_caches.size()) == L,
-                "expected ", kTensorsPerLayer, " tensors and 4 bit widths per layer, and a K and V cache each");
+                    static_cast<int64_t>(formats.size()) == 4 * L && static_cast<int64_t>(v_caches.size()) == L,
+                "expected ", kTensorsPerLayer, " tensors and 4 formats per layer, and a K and V cache each");
     nq = num_heads, nkv = num_kv_heads, hd = head_dim, eps = rms_eps, scale = attn_scale;
     TORCH_CHECK(nkv > 0 && nq % nkv == 0 && hd % 2 == 0 && hd <= 256, "unsupported head layout");
     hidden = final_norm_in.numel();
@@ -95,12 +94,14 @@ struct DecodeStack : torch::CustomClassHolder {
         TORCH_CHECK(c->is_contiguous() && c->dim() == 3 && c->size(0) == nkv && c->size(1) == num_slots &&
                         c->size(2) == hd && c->scalar_type() == c0.scalar_type(),
                     "layer ", i, ": caches must be contiguous [num_kv_heads, slots, head_dim] of one dtype");
-      const int64_t* b = bits.data() + 4 * i;
+      const int64_t* f = formats.data() + 4 * i;
       auto linear = [&](int k, int64_t N, int64_t K) {
-        return Linear{tm_vnni::check(t[2 + 3 * k], t[3 + 3 * k], t[4 + 3 * k], b[k], N, K), N};
+        return Linear{tm_vnni::check(t[2 + 4 * k], t[3 + 4 * k], t[4 + 4 * k], t[5 + 4 * k], f[k], N, K), N};
       };
-      // gate_up's N is 2 x intermediate, read off its scales ([N/16, G, 16] fp16 = N x K/32 values)
-      const int64_t gate_up_n = t[9].numel() / (hidden / tm_vnni::kGroup);
+      // gate_up's N is 2 x intermediate, read off its codes (N x K x bits / 8 bytes)
+      const int gate_up_bits = tm_vnni::fmt_bits(static_cast<int>(f[2]));
+      TORCH_CHECK(gate_up_bits > 0, "layer ", i, ": unknown weight format ", f[2]);
+      const int64_t gate_up_n = t[10].numel() * 8 / (hidden * gate_up_bits);
       if (i == 0) inter = gate_up_n / 2;
       TORCH_CHECK(gate_up_n == 2 * inter, "layer ", i, ": intermediate sizes differ between layers");
       Layer layer{t[0].data_ptr<float>(), t[1].data_ptr<float>(), linear(0, qkv_n, hidden),

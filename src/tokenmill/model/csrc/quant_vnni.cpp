@@ -1,4 +1,4 @@
-// The VNNI quantized-linear ops (the kernel: quant_vnni.h).
+// The VNNI quantized-linear ops (the kernel: quant_vnni.h; the formats: quant_blocks.h).
 
 #include "quant_vnni.h"
 
@@ -7,12 +7,12 @@ namespace {
 using namespace tm_vnni;
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                  int64_t bits, int64_t N, int64_t terms) {
+                  const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms) {
   TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be float32 [M, K]");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  const Weights w = check(codes, scales, mins, bits, N, K);
+  const Weights w = check(codes, scales, mins, subs, fmt, N, K);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   // One scratch buffer for the quantized activations and their per-group numbers (an allocation per
@@ -34,13 +34,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
   float* yp = y.data_ptr<float>();
   const int64_t nblocks = N / kCols;
   auto go = [&](int64_t m0, int64_t m1, int64_t nb0, int64_t nb1, bool round) {
-    if (terms == 2) {
-      if (bits == 4) run<4, 2>(xp, w, a, K, N, m0, m1, nb0, nb1, round, yp);
-      else run<8, 2>(xp, w, a, K, N, m0, m1, nb0, nb1, round, yp);
-    } else {
-      if (bits == 4) run<4, 1>(xp, w, a, K, N, m0, m1, nb0, nb1, round, yp);
-      else run<8, 1>(xp, w, a, K, N, m0, m1, nb0, nb1, round, yp);
-    }
+    if (terms == 2) run<2>(xp, w, a, K, N, m0, m1, nb0, nb1, round, yp);
+    else run<1>(xp, w, a, K, N, m0, m1, nb0, nb1, round, yp);
   };
   if (M >= kSplitRowsFrom && N * K <= kSplitRowsMaxWeights) {
     // Threads take rows (full tiles each, at least 8 rows), every thread rounding its own rows: the
@@ -58,8 +53,6 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
   return y;
 }
 
-TV_TARGET float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-
 TV_TARGET TV_INLINE __m256i to_bf16(__m512 v) {  // round to nearest even (weights are finite)
   const __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
@@ -67,80 +60,93 @@ TV_TARGET TV_INLINE __m256i to_bf16(__m512 v) {  // round to nearest even (weigh
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
+// The fp32 values of one block and group, out[c][k] = column 16 nb + c at input 32 g + k: scale *
+// (code - offset) + min, rounded once as gguf-py rounds (scale * code is exact wherever there is a
+// min, so the fused multiply-add is gguf's product then sum).
+template <class D>
+TV_TARGET void decode_group(const Weights& w, int64_t nb, int64_t g, float (&out)[kCols][kGroup]) {
+  const uint8_t* p = w.codes + (nb * w.G + g) * D::kBits * 64;
+  __m512i q[8];
+  pair<D, 0>(p, q[0], q[4]);
+  pair<D, 1>(p, q[1], q[5]);
+  pair<D, 2>(p, q[2], q[6]);
+  pair<D, 3>(p, q[3], q[7]);
+  __m512 sc[D::kSubs], mn[D::kSubs];
+  D::scales(w, nb, g, sc);
+  const bool has_min = D::has_min(w);
+  if (has_min) D::mins(w, nb, g, mn);
+  const __m512i lane_col = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+  for (int j = 0; j < 8; ++j) {
+    const int h = D::kSubs == 2 ? j / 4 : 0;
+    for (int part = 0; part < 4; ++part) {  // columns 4 part .. 4 part + 3, lane = 4 c + e
+      const __m512i idx = _mm512_add_epi32(lane_col, _mm512_set1_epi32(4 * part));
+      const __m128i bytes = part == 0 ? _mm512_extracti32x4_epi32(q[j], 0)
+                            : part == 1 ? _mm512_extracti32x4_epi32(q[j], 1)
+                            : part == 2 ? _mm512_extracti32x4_epi32(q[j], 2) : _mm512_extracti32x4_epi32(q[j], 3);
+      const __m512 code = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(D::kOffset)));
+      const __m512 s = _mm512_permutexvar_ps(idx, sc[h]);
+      const __m512 v = has_min ? _mm512_fmadd_ps(s, code, _mm512_permutexvar_ps(idx, mn[h])) : _mm512_mul_ps(s, code);
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, v);
+      for (int c = 0; c < 4; ++c) std::memcpy(&out[4 * part + c][4 * j], lanes + 4 * c, 16);
+    }
+  }
+}
+
 // The whole weight as a dense bf16 [N, K] matrix, for large batches: oneDNN's bf16 GEMM over it
 // beats the two-term VNNI kernel from a few hundred rows (model/layers/quantized_linear.py).
+template <class D>
 TV_TARGET void dequantize_blocks(const Weights& w, int64_t K, int64_t nb0, int64_t nb1, uint16_t* out) {
+  alignas(64) float vals[kCols][kGroup];
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     for (int64_t g = 0; g < w.G; ++g) {
-      const int64_t blk = nb * w.G + g;
-      __m512i q[8];
-      unpack_block(w, blk, w.bits, q);
-      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + blk * kCols)));
-      __m512 mn = w.mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + blk * kCols)))
-                         : _mm512_setzero_ps();
-      if (w.bits == 8) mn = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), sc, mn);  // codes are stored + 128
-      for (int part = 0; part < 4; ++part) {  // columns 4 part .. 4 part + 3
-        const __m512i idx = _mm512_add_epi32(_mm512_srli_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2), _mm512_set1_epi32(4 * part));
-        const __m512 s = _mm512_permutexvar_ps(idx, sc), m = _mm512_permutexvar_ps(idx, mn);
-        for (int j = 0; j < 8; ++j) {
-          const __m512i codes = _mm512_cvtepu8_epi32(
-              part == 0 ? _mm512_extracti32x4_epi32(q[j], 0)
-              : part == 1 ? _mm512_extracti32x4_epi32(q[j], 1)
-              : part == 2 ? _mm512_extracti32x4_epi32(q[j], 2) : _mm512_extracti32x4_epi32(q[j], 3));
-          const __m256i b = to_bf16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), s, m));
-          // lanes: column 4 part + c, inputs 4 j .. 4 j + 3 (c = lane / 4): 8 bytes per column
-          alignas(32) uint64_t lanes[4];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), b);
-          for (int c = 0; c < 4; ++c) {
-            std::memcpy(out + (nb * kCols + 4 * part + c) * K + g * kGroup + 4 * j, &lanes[c], 8);
-          }
-        }
+      decode_group<D>(w, nb, g, vals);
+      for (int64_t c = 0; c < kCols; ++c) {
+        uint16_t* o = out + (nb * kCols + c) * K + g * kGroup;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), to_bf16(_mm512_load_ps(vals[c])));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), to_bf16(_mm512_load_ps(vals[c] + 16)));
       }
     }
   }
 }
 
-at::Tensor dequantize_bf16(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
-                           int64_t N, int64_t K) {
-  const Weights w = check(codes, scales, mins, bits, N, K);
+at::Tensor dequantize_bf16(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                           const at::Tensor& subs, int64_t fmt, int64_t N, int64_t K) {
+  const Weights w = check(codes, scales, mins, subs, fmt, N, K);
   at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kBFloat16));
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, N / kCols, 1, [&](int64_t b0, int64_t b1) { dequantize_blocks(w, K, b0, b1, o); });
+  with_decoder(w.fmt, [&]<class D>() {
+    at::parallel_for(0, N / kCols, 1, [&](int64_t b0, int64_t b1) { dequantize_blocks<D>(w, K, b0, b1, o); });
+  });
   return out;
 }
 
+template <class D>
+TV_TARGET void lookup_rows(const Weights& w, int64_t N, int64_t K, const int64_t* ids, int64_t t0, int64_t t1,
+                           float* out) {
+  alignas(64) float vals[kCols][kGroup];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t nb = ids[t] / kCols, c = ids[t] % kCols;
+    for (int64_t g = 0; g < w.G; ++g) {
+      decode_group<D>(w, nb, g, vals);
+      std::memcpy(out + t * K + g * kGroup, vals[c], sizeof vals[c]);
+    }
+  }
+}
+
 // Rows `ids` of the weight as fp32 [T, K] (embedding lookups of a tied, blocked weight).
-at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
-                           int64_t N, int64_t K, const at::Tensor& ids_in) {
-  const Weights w = check(codes, scales, mins, bits, N, K);
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                           const at::Tensor& subs, int64_t fmt, int64_t N, int64_t K, const at::Tensor& ids_in) {
+  const Weights w = check(codes, scales, mins, subs, fmt, N, K);
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t T = ids.numel();
   at::Tensor out = at::empty({T, K}, scales.options().dtype(at::kFloat));
   const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(idp[t] >= 0 && idp[t] < N, "row id ", idp[t], " is outside [0, ", N, ")");
   float* o = out.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t n = idp[t];
-    TORCH_CHECK(n >= 0 && n < N, "row id ", n, " is outside [0, ", N, ")");
-    const int64_t nb = n / kCols, c = n % kCols;
-    for (int64_t g = 0; g < w.G; ++g) {
-      const int64_t blk = nb * w.G + g;
-      const float s = half_to_float(w.scales[blk * kCols + c]);
-      const float m = w.mins ? half_to_float(w.mins[blk * kCols + c]) : 0.f;
-      for (int64_t j = 0; j < 8; ++j) {
-        for (int64_t e = 0; e < 4; ++e) {
-          int code;
-          if (bits == 4) {
-            const uint8_t b = w.codes[blk * 256 + (j % 4) * 64 + c * 4 + e];
-            code = j < 4 ? (b & 0x0F) : (b >> 4);
-          } else {
-            code = static_cast<int>(w.codes[blk * 512 + j * 64 + c * 4 + e]) - 128;
-          }
-          o[t * K + g * kGroup + j * 4 + e] = static_cast<float>(code) * s + m;
-        }
-      }
-    }
-  }
+  with_decoder(w.fmt, [&]<class D>() {
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) { lookup_rows<D>(w, N, K, idp, t0, t1, o); });
+  });
   return out;
 }
 
@@ -149,10 +155,11 @@ bool supported() { return vnni_supported(); }
 }  // namespace
 
 TORCH_LIBRARY(tokenmill_vnni, m) {
-  m.def("linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits, int N, int terms=2) -> Tensor", &linear);
-  m.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, int bits, int N, int K, Tensor ids) -> Tensor",
-        &dequantize_rows);
-  m.def("dequantize_bf16(Tensor codes, Tensor scales, Tensor mins, int bits, int N, int K) -> Tensor",
+  m.def("linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int terms=2) -> Tensor",
+        &linear);
+  m.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int K, Tensor ids) "
+        "-> Tensor", &dequantize_rows);
+  m.def("dequantize_bf16(Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int K) -> Tensor",
         &dequantize_bf16);
   m.def("supported() -> bool", &supported);
 }

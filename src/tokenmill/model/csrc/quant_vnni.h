@@ -9,11 +9,13 @@
 // into 16 column accumulators: a group of 32 is 8 vpdpbusd per row, its scales one fp16 load for 16
 // columns, and there is no horizontal reduction at all (the 16 results are 16 adjacent outputs).
 //
-// Blocked layout, per block of 16 output columns (nb) and group of 32 inputs (g):
-//   int4: codes uint8 [N/16, G, 4, 64]: zmm t holds quad t in its low nibbles and quad t + 4 in its
-//         high nibbles; quad j, byte c * 4 + e = code of column 16 nb + c at k = 32 g + 4 j + e.
-//   int8: codes uint8 [N/16, G, 8, 64]: zmm j = quad j, same byte order, each code stored + 128.
-//   scales, mins: fp16 [N/16, G, 16].
+// Blocked layout, per block of 16 output columns (nb) and group of 32 inputs (g): codes uint8
+// [N/16, G, bits * 64], quad j (inputs 4 j .. 4 j + 3) holding byte c * 4 + e = code of column
+// 16 nb + c at k = 32 g + 4 j + e; int4: zmm t holds quad t in its low nibbles and quad t + 4 in its
+// high nibbles; int8: zmm j = quad j, each code stored + 128; scales, mins: fp16 [N/16, G, 16].
+// Every GGUF block format is one such layout of its own bits and scales: a block decoder
+// (quant_blocks.h) unpacks a group's codes into those quads and gives its sub-block scales, and the
+// loops below are written once, templated on the decoder.
 //
 // Activations are rounded to int8 per group of 32 (scale amax / 127, nearest even), as llama.cpp's
 // Q8 activations, and with `terms` = 2 the rounding residual is rounded to int8 again (its own scale,
@@ -42,6 +44,8 @@
 
 #include <immintrin.h>
 
+#include "quant_blocks.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
@@ -51,12 +55,6 @@
 namespace tm_vnni {
 namespace {
 
-#define TV_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
-#define TV_INLINE inline __attribute__((always_inline))
-
-constexpr int64_t kGroup = 32;
-constexpr int64_t kCols = 16;
-
 // Quantized activations, group-major so that a tile's rows of one group sit at constant offsets
 // from one pointer (a row-major layout needed a pointer per row and term: spilled registers).
 struct Acts {
@@ -64,39 +62,49 @@ struct Acts {
   float* dx;         // [G, M, terms] scale per group and term
   float* qsum;       // [G, M] sum over terms of dx * sum of the group's rounded values (min term)
   int32_t* nsum128;  // [G, M, terms] -128 * sum of the group's rounded values (int8 weights' offset)
+  int32_t* hsum;     // [G, M, terms, 2] sums of the rounded values of each half (16 inputs) of the group
+  float* hqsum;      // [G, M, 2] qsum of each half (the min term of sub-blocks of 16)
   int64_t M;
 };
 
-struct Weights {
-  const uint8_t* codes;
-  const uint16_t* scales;
-  const uint16_t* mins;   // or nullptr
-  int64_t G;
-  int bits;
+// Where the numbers of one group and row go.
+struct GroupOut {
+  int8_t* xq;
+  float* dx;
+  float* qsum;
+  int32_t* nsum128;
+  int32_t* hsum;
+  float* hqsum;
 };
 
 // One group (32 values in lo, hi) rounded to `terms` int8 terms: the reference for quantize4.
-TV_TARGET TV_INLINE void quantize1(__m512 lo, __m512 hi, int terms, int8_t* xq, float* dx, float* qsum,
-                                   int32_t* nsum128) {
-  float total_sum = 0.f;
+TV_TARGET TV_INLINE void quantize1(__m512 lo, __m512 hi, int terms, const GroupOut& o) {
+  float total_sum = 0.f, half_sum[2] = {0.f, 0.f};
   for (int t = 0; t < terms; ++t) {
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
     const float scale = amax / 127.f;
-    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-    dx[t] = scale;
+    const int32_t first = _mm512_reduce_add_epi32(qlo), second = _mm512_reduce_add_epi32(qhi);
+    const int32_t total = first + second;
+    o.dx[t] = scale;
     total_sum = std::fma(scale, static_cast<float>(total), total_sum);
-    nsum128[t] = -128 * total;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + t * kGroup), _mm512_cvtsepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + t * kGroup + 16), _mm512_cvtsepi32_epi8(qhi));
+    half_sum[0] = std::fma(scale, static_cast<float>(first), half_sum[0]);
+    half_sum[1] = std::fma(scale, static_cast<float>(second), half_sum[1]);
+    o.nsum128[t] = -128 * total;
+    o.hsum[2 * t] = first;
+    o.hsum[2 * t + 1] = second;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o.xq + t * kGroup), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o.xq + t * kGroup + 16), _mm512_cvtsepi32_epi8(qhi));
     // what this term left out, for the next one
     const __m512 s = _mm512_set1_ps(scale);
     lo = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), s, lo);
     hi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), s, hi);
   }
-  *qsum = total_sum;
+  *o.qsum = total_sum;
+  o.hqsum[0] = half_sum[0];
+  o.hqsum[1] = half_sum[1];
 }
 
 // Reductions of 4 vectors at once: 128-bit chunk i of the result holds the reduction of v[i] in all 4
@@ -124,16 +132,15 @@ TV_TARGET TV_INLINE __m512 chunk(__m512 v) { return _mm512_shuffle_f32x4(v, v, I
 // chain of reductions, divisions and conversions (~25 ns a group and row, 55 us for K = 1536 x 48
 // rows; four at a time ~13 ns). Outputs: group i's record is `stride` records on.
 template <int Terms>
-TV_TARGET TV_INLINE void quantize4(const float* src, int8_t* xq, float* dx, float* qsum, int32_t* nsum128,
-                                   int64_t stride) {
+TV_TARGET TV_INLINE void quantize4(const float* src, const GroupOut& o, int64_t stride) {
   __m512 lo[4], hi[4];
   for (int i = 0; i < 4; ++i) {
     lo[i] = _mm512_loadu_ps(src + i * kGroup);
     hi[i] = _mm512_loadu_ps(src + i * kGroup + 16);
   }
-  __m512 total_sum = _mm512_setzero_ps();
+  __m512 total_sum = _mm512_setzero_ps(), first_sum = _mm512_setzero_ps(), second_sum = _mm512_setzero_ps();
   alignas(64) float scales[Terms][16];
-  alignas(64) int32_t totals[Terms][16];
+  alignas(64) int32_t firsts[Terms][16], totals[Terms][16];
   for (int t = 0; t < Terms; ++t) {
     __m512 m[4];
     for (int i = 0; i < 4; ++i) m[i] = _mm512_max_ps(_mm512_abs_ps(lo[i]), _mm512_abs_ps(hi[i]));
@@ -148,25 +155,35 @@ TV_TARGET TV_INLINE void quantize4(const float* src, int8_t* xq, float* dx, floa
       qlo[i] = _mm512_cvtps_epi32(_mm512_mul_ps(lo[i], inv_i[i]));
       qhi[i] = _mm512_cvtps_epi32(_mm512_mul_ps(hi[i], inv_i[i]));
       s[i] = _mm512_add_epi32(qlo[i], qhi[i]);
-      int8_t* dst = xq + (i * stride * Terms + t) * kGroup;
+      int8_t* dst = o.xq + (i * stride * Terms + t) * kGroup;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo[i]));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi[i]));
       lo[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo[i]), sc_i[i], lo[i]);
       hi[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi[i]), sc_i[i], hi[i]);
     }
-    const __m512i total = sum4(s);
+    const __m512i total = sum4(s), first = sum4(qlo);
     total_sum = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(total), total_sum);
+    first_sum = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(first), first_sum);
+    second_sum = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_sub_epi32(total, first)), second_sum);
     _mm512_store_ps(scales[t], scale);
     _mm512_store_si512(totals[t], total);
+    _mm512_store_si512(firsts[t], first);
   }
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, total_sum);
+  alignas(64) float sums[3][16];
+  _mm512_store_ps(sums[0], total_sum);
+  _mm512_store_ps(sums[1], first_sum);
+  _mm512_store_ps(sums[2], second_sum);
   for (int i = 0; i < 4; ++i) {
     for (int t = 0; t < Terms; ++t) {
-      dx[i * stride * Terms + t] = scales[t][4 * i];
-      nsum128[i * stride * Terms + t] = -128 * totals[t][4 * i];
+      const int64_t at = i * stride * Terms + t;
+      o.dx[at] = scales[t][4 * i];
+      o.nsum128[at] = -128 * totals[t][4 * i];
+      o.hsum[2 * at] = firsts[t][4 * i];
+      o.hsum[2 * at + 1] = totals[t][4 * i] - firsts[t][4 * i];
     }
-    qsum[i * stride] = sums[4 * i];
+    o.qsum[i * stride] = sums[0][4 * i];
+    o.hqsum[2 * i * stride] = sums[1][4 * i];
+    o.hqsum[2 * i * stride + 1] = sums[2][4 * i];
   }
 }
 
@@ -174,20 +191,18 @@ TV_TARGET TV_INLINE void quantize4(const float* src, int8_t* xq, float* dx, floa
 template <int Terms>
 TV_TARGET void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, const Acts& a) {
   const int64_t G = K / kGroup, M = a.M;
-  int8_t* xq = a.xq;
-  float *dx = a.dx, *qsum = a.qsum;
-  int32_t* nsum128 = a.nsum128;
   for (int64_t m = m0; m < m1; ++m) {
-    int64_t g = 0;
-    for (; g + 4 <= G; g += 4) {
+    for (int64_t g = 0; g < G;) {
       const int64_t at = g * M + m;  // record of (g, m); the next group's is M records on
-      quantize4<Terms>(x + m * K + g * kGroup, xq + at * Terms * kGroup, dx + at * Terms, qsum + at,
-                       nsum128 + at * Terms, M);
-    }
-    for (; g < G; ++g) {
-      const int64_t at = g * M + m;
-      __m512 lo = _mm512_loadu_ps(x + m * K + g * kGroup), hi = _mm512_loadu_ps(x + m * K + g * kGroup + 16);
-      quantize1(lo, hi, Terms, xq + at * Terms * kGroup, dx + at * Terms, qsum + at, nsum128 + at * Terms);
+      const GroupOut o{a.xq + at * Terms * kGroup, a.dx + at * Terms, a.qsum + at, a.nsum128 + at * Terms,
+                       a.hsum + at * Terms * 2, a.hqsum + at * 2};
+      if (g + 4 <= G) {
+        quantize4<Terms>(x + m * K + g * kGroup, o, M);
+        g += 4;
+      } else {
+        quantize1(_mm512_loadu_ps(x + m * K + g * kGroup), _mm512_loadu_ps(x + m * K + g * kGroup + 16), Terms, o);
+        g += 1;
+      }
     }
   }
 }
@@ -198,109 +213,118 @@ TV_TARGET TV_INLINE __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// The 8 quads (16 columns x 4 inputs of unsigned codes each) of one block of 16 columns and 32 inputs.
-TV_TARGET TV_INLINE void unpack_block(const Weights& w, int64_t blk, int bits, __m512i (&q)[8]) {
-  if (bits == 4) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const uint8_t* p = w.codes + blk * 256;
-    for (int t = 0; t < 4; ++t) {
-      const __m512i v = _mm512_loadu_si512(p + t * 64);
-      q[t] = _mm512_and_si512(v, nibble);
-      q[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+// The starting value of a row's int32 sum over (half h of) a group: -kOffset * the sum of the rounded
+// activations, so that codes stored + kOffset need no subtraction (0 for formats without offset).
+template <class D, int Terms>
+TV_INLINE int32_t offset_start(const Acts& a, const int32_t* nsum128, const int32_t* hsum, int r, int t, int h) {
+  if constexpr (D::kOffset == 0) return 0;
+  else if constexpr (D::kSubs == 1 && D::kOffset == 128) return nsum128[r * Terms + t];
+  else if constexpr (D::kSubs == 1) return -D::kOffset * (hsum[(r * Terms + t) * 2] + hsum[(r * Terms + t) * 2 + 1]);
+  else return -D::kOffset * hsum[(r * Terms + t) * 2 + h];
+}
+
+// Quads j (lo) and j + 4 (hi) of a group times R rows' activations, into the rows' int32 sums.
+template <int R, int Terms, bool TwoChains>
+TV_TARGET TV_INLINE void quad_pair(__m512i (&dot)[R][Terms], __m512i (&dot2)[R][Terms], __m512i lo, __m512i hi,
+                                   const int8_t* xq, int j) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int t = 0; t < Terms; ++t) {
+      const int8_t* xp = xq + (r * Terms + t) * kGroup + 4 * j;
+      dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], lo, bcast4(xp));
+      if constexpr (TwoChains) dot2[r][t] = _mm512_dpbusd_epi32(dot2[r][t], hi, bcast4(xp + 16));
+      else dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], hi, bcast4(xp + 16));
     }
-  } else {
-    for (int j = 0; j < 8; ++j) q[j] = _mm512_loadu_si512(w.codes + blk * 512 + j * 64);
-  }
 }
 
 // R rows (m0..) x the 16 columns of block nb. Per group, each (row, term) sums its 8 vpdpbusd in an
 // int32 register, scaled into the row's fp32 result once: 3 R + 3 zmm registers (R <= 8 of 32).
-template <int R, int Bits, int Terms>
+// Decoders with two sub-blocks a group keep a second set of sums (R <= 4).
+template <class D, int R, int Terms>
 TV_TARGET void tile(const Weights& w, const Acts& a, int64_t N, int64_t m0, int64_t nb, float* y) {
-  constexpr int64_t kBytes = Bits == 4 ? 256 : 512;  // codes of one block and group
+  constexpr int64_t kBytes = D::kBits * 64;  // codes of one block and group
   const int64_t G = w.G, M = a.M;
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* codes = w.codes + nb * G * kBytes;
-  const uint16_t* scales = w.scales + nb * G * kCols;
-  const uint16_t* mins = w.mins != nullptr ? w.mins + nb * G * kCols : nullptr;
+  const bool has_min = D::has_min(w);
   const int8_t* xq = a.xq + m0 * Terms * kGroup;
   const float* dx = a.dx + m0 * Terms;
   const float* qsum = a.qsum + m0;
+  const float* hqsum = a.hqsum + m0 * 2;
   const int32_t* nsum128 = a.nsum128 + m0 * Terms;
+  const int32_t* hsum = a.hsum + m0 * Terms * 2;
   for (int64_t g = 0; g < G; ++g) {
     // 2 kB ahead: with the weights streamed from memory, as in a real step, int4 layers ran ~15%
     // faster at 1-2 rows. The int8 lm_head at 1-2 rows is bound by bandwidth alone and ran ~10%
     // slower with it (from 3 rows, where compute has to overlap the reads, 1.5x faster at 8).
-    constexpr int kPrefetchLines = Bits == 4 || R > 2 ? kBytes / 64 : 0;
+    constexpr int kPrefetchLines = D::kBits != 8 || R > 2 ? kBytes / 64 : 0;
 #pragma GCC unroll 8
     for (int l = 0; l < kPrefetchLines; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + 2048 + l * 64), _MM_HINT_T0);
     // With few rows the sums are chains of dependent vpdpbusd (8 a group and term): a second set of
-    // sums (the high nibbles, or odd quads) halves the chains; with more rows the rows give the
-    // independence, and the registers are needed for them.
-    constexpr bool kTwoChains = R <= 2;
+    // sums (quads 4..7) halves the chains; with more rows the rows give the independence, and the
+    // registers are needed for them. Two sub-blocks a group need the second set anyway.
+    constexpr bool kTwoChains = R <= 2 || D::kSubs == 2;
     __m512i dot[R][Terms], dot2[R][Terms];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
       for (int t = 0; t < Terms; ++t) {
-        // int8 codes are stored + 128: the sum starts from -128 * sum(x), no subtraction later
-        if constexpr (Bits == 8) dot[r][t] = _mm512_set1_epi32(nsum128[r * Terms + t]);
-        else dot[r][t] = _mm512_setzero_si512();
-        dot2[r][t] = _mm512_setzero_si512();
+        dot[r][t] = _mm512_set1_epi32(offset_start<D, Terms>(a, nsum128, hsum, r, t, 0));
+        dot2[r][t] = D::kSubs == 2 ? _mm512_set1_epi32(offset_start<D, Terms>(a, nsum128, hsum, r, t, 1))
+                                   : _mm512_setzero_si512();
       }
-    if constexpr (Bits == 4) {
-      const __m512i nibble = _mm512_set1_epi8(0x0F);
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(codes + j * 64);
-        const __m512i lo = _mm512_and_si512(v, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-          for (int t = 0; t < Terms; ++t) {
-            const int8_t* xp = xq + (r * Terms + t) * kGroup + 4 * j;
-            dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], lo, bcast4(xp));
-            if constexpr (kTwoChains) dot2[r][t] = _mm512_dpbusd_epi32(dot2[r][t], hi, bcast4(xp + 16));
-            else dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], hi, bcast4(xp + 16));
-          }
-      }
-    } else {
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m512i q = _mm512_loadu_si512(codes + j * 64);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-          for (int t = 0; t < Terms; ++t)
-            if (kTwoChains && j % 2 == 1) dot2[r][t] = _mm512_dpbusd_epi32(dot2[r][t], q, bcast4(xq + (r * Terms + t) * kGroup + 4 * j));
-            else dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], q, bcast4(xq + (r * Terms + t) * kGroup + 4 * j));
-      }
+    {
+      __m512i lo, hi;
+      pair<D, 0>(codes, lo, hi);
+      quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 0);
+      pair<D, 1>(codes, lo, hi);
+      quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 1);
+      pair<D, 2>(codes, lo, hi);
+      quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 2);
+      pair<D, 3>(codes, lo, hi);
+      quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 3);
     }
-    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+    __m512 sc[D::kSubs];
+    D::scales(w, nb, g, sc);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      if constexpr (kTwoChains)
-        for (int t = 0; t < Terms; ++t) dot[r][t] = _mm512_add_epi32(dot[r][t], dot2[r][t]);
-      // (d1 D1 + d2 D2) * scale: 3 multiplies a row, against 4 for D1 * (scale d1) + D2 * (scale d2)
-      __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_set1_ps(dx[r * Terms]));
-      if constexpr (Terms == 2) s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), _mm512_set1_ps(dx[r * Terms + 1]), s);
-      acc[r] = _mm512_fmadd_ps(s, sc, acc[r]);
+      if constexpr (D::kSubs == 1) {
+        if constexpr (kTwoChains)
+          for (int t = 0; t < Terms; ++t) dot[r][t] = _mm512_add_epi32(dot[r][t], dot2[r][t]);
+        // (d1 D1 + d2 D2) * scale: 3 multiplies a row, against 4 for D1 * (scale d1) + D2 * (scale d2)
+        __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_set1_ps(dx[r * Terms]));
+        if constexpr (Terms == 2) s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), _mm512_set1_ps(dx[r * Terms + 1]), s);
+        acc[r] = _mm512_fmadd_ps(s, sc[0], acc[r]);
+      } else {
+        __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_set1_ps(dx[r * Terms]));
+        __m512 s2 = _mm512_mul_ps(_mm512_cvtepi32_ps(dot2[r][0]), _mm512_set1_ps(dx[r * Terms]));
+        if constexpr (Terms == 2) {
+          s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), _mm512_set1_ps(dx[r * Terms + 1]), s);
+          s2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2[r][1]), _mm512_set1_ps(dx[r * Terms + 1]), s2);
+        }
+        acc[r] = _mm512_fmadd_ps(s2, sc[1], _mm512_fmadd_ps(s, sc[0], acc[r]));
+      }
     }
-    if (mins != nullptr) {
-      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins)));
+    if (has_min) {
+      __m512 mn[D::kSubs];
+      D::mins(w, nb, g, mn);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qsum[r]), acc[r]);
-      mins += kCols;
+      for (int r = 0; r < R; ++r) {
+        if constexpr (D::kSubs == 1) acc[r] = _mm512_fmadd_ps(mn[0], _mm512_set1_ps(qsum[r]), acc[r]);
+        else acc[r] = _mm512_fmadd_ps(mn[1], _mm512_set1_ps(hqsum[2 * r + 1]),
+                                      _mm512_fmadd_ps(mn[0], _mm512_set1_ps(hqsum[2 * r]), acc[r]));
+      }
     }
     codes += kBytes;
-    scales += kCols;
     xq += M * Terms * kGroup;
     dx += M * Terms;
     qsum += M;
+    hqsum += M * 2;
     nsum128 += M * Terms;
+    hsum += M * Terms * 2;
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + nb * kCols, acc[r]);
@@ -311,38 +335,49 @@ constexpr int kMaxRows = 8;
 constexpr int64_t kSplitRowsFrom = 16;
 constexpr int64_t kSplitRowsMaxWeights = int64_t{1} << 23;
 
-// Blocks nb0..nb1 x rows m0..m1, in tiles of at most kMaxRows rows as even as possible (9 rows:
+template <class D>
+constexpr int max_rows() { return D::kSubs == 2 ? 4 : kMaxRows; }
+
+// Blocks nb0..nb1 x rows m0..m1, in tiles of at most max_rows rows as even as possible (9 rows:
 // 5 + 4, not 8 + 1); a block's codes stay in L1 from one tile to the next.
-template <int Bits, int Terms>
-TV_TARGET void blocks(const Weights& w, const Acts& a, int64_t m0, int64_t m1, int64_t N, int64_t nb0, int64_t nb1,
-                      float* y) {
-  const int64_t tiles = (m1 - m0 + kMaxRows - 1) / kMaxRows;
+template <class D, int Terms>
+TV_TARGET void blocks_of(const Weights& w, const Acts& a, int64_t m0, int64_t m1, int64_t N, int64_t nb0, int64_t nb1,
+                         float* y) {
+  constexpr int kRows = max_rows<D>();
+  const int64_t tiles = (m1 - m0 + kRows - 1) / kRows;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     int64_t m = m0;
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t left = tiles - i, r = (m1 - m + left - 1) / left;
       switch (r) {
-        case 8: tile<8, Bits, Terms>(w, a, N, m, nb, y); break;
-        case 7: tile<7, Bits, Terms>(w, a, N, m, nb, y); break;
-        case 6: tile<6, Bits, Terms>(w, a, N, m, nb, y); break;
-        case 5: tile<5, Bits, Terms>(w, a, N, m, nb, y); break;
-        case 4: tile<4, Bits, Terms>(w, a, N, m, nb, y); break;
-        case 3: tile<3, Bits, Terms>(w, a, N, m, nb, y); break;
-        case 2: tile<2, Bits, Terms>(w, a, N, m, nb, y); break;
-        default: tile<1, Bits, Terms>(w, a, N, m, nb, y); break;
+        case 8: if constexpr (kRows >= 8) tile<D, 8, Terms>(w, a, N, m, nb, y); break;
+        case 7: if constexpr (kRows >= 7) tile<D, 7, Terms>(w, a, N, m, nb, y); break;
+        case 6: if constexpr (kRows >= 6) tile<D, 6, Terms>(w, a, N, m, nb, y); break;
+        case 5: if constexpr (kRows >= 5) tile<D, 5, Terms>(w, a, N, m, nb, y); break;
+        case 4: tile<D, 4, Terms>(w, a, N, m, nb, y); break;
+        case 3: tile<D, 3, Terms>(w, a, N, m, nb, y); break;
+        case 2: tile<D, 2, Terms>(w, a, N, m, nb, y); break;
+        default: tile<D, 1, Terms>(w, a, N, m, nb, y); break;
       }
       m += r;
     }
   }
 }
 
+// Blocks nb0..nb1 x rows m0..m1 of a weight of any format.
+template <int Terms>
+TV_TARGET void blocks(const Weights& w, const Acts& a, int64_t m0, int64_t m1, int64_t N, int64_t nb0, int64_t nb1,
+                      float* y) {
+  with_decoder(w.fmt, [&]<class D>() { blocks_of<D, Terms>(w, a, m0, m1, N, nb0, nb1, y); });
+}
+
 // Rounds rows m0..m1 of x and multiplies them with blocks nb0..nb1 (rows already rounded when
 // `round` is false).
-template <int Bits, int Terms>
+template <int Terms>
 TV_TARGET void run(const float* x, const Weights& w, const Acts& a, int64_t K, int64_t N, int64_t m0, int64_t m1,
                    int64_t nb0, int64_t nb1, bool round, float* y) {
   if (round) quantize_rows<Terms>(x, K, m0, m1, a);
-  blocks<Bits, Terms>(w, a, m0, m1, N, nb0, nb1, y);
+  blocks<Terms>(w, a, m0, m1, N, nb0, nb1, y);
 }
 
 bool vnni_supported() {
@@ -362,7 +397,7 @@ bool vnni_supported() {
 // Floats of scratch that M rows of K activations take once rounded, in `terms` int8 terms.
 inline int64_t acts_floats(int64_t M, int64_t K, int64_t terms) {
   const int64_t groups = M * (K / kGroup);
-  return groups * (2 * terms + 1) + (M * terms * K + 3) / 4;
+  return groups * (4 * terms + 3) + (M * terms * K + 3) / 4;
 }
 
 // The Acts of M rows of K activations laid out in `base` (acts_floats(M, K, terms) floats).
@@ -370,32 +405,47 @@ inline Acts make_acts(float* base, int64_t M, int64_t K, int64_t terms) {
   const int64_t groups = M * (K / kGroup);
   float* dx = base;
   float* qsum = dx + groups * terms;
-  int32_t* nsum128 = reinterpret_cast<int32_t*>(qsum + groups);
-  int8_t* xq = reinterpret_cast<int8_t*>(nsum128 + groups * terms);
-  return Acts{xq, dx, qsum, nsum128, M};
+  float* hqsum = qsum + groups;
+  int32_t* nsum128 = reinterpret_cast<int32_t*>(hqsum + 2 * groups);
+  int32_t* hsum = nsum128 + groups * terms;
+  int8_t* xq = reinterpret_cast<int8_t*>(hsum + 2 * groups * terms);
+  return Acts{xq, dx, qsum, nsum128, hsum, hqsum, M};
 }
 
-// The kernel's view of a blocked weight's tensors, checked against [N, K].
-inline Weights check(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t bits, int64_t N,
-              int64_t K) {
+// The kernel's view of a blocked weight's tensors in format `fmt`, checked against [N, K].
+inline Weights check(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& subs,
+                     int64_t fmt, int64_t N, int64_t K) {
   TORCH_CHECK(vnni_supported(), "this CPU has no AVX512-VNNI");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(N % kCols == 0 && K % kGroup == 0, "N must be a multiple of 16 and K of 32");
-  const int64_t G = K / kGroup;
-  TORCH_CHECK(codes.is_contiguous() && codes.numel() == N * K / (bits == 4 ? 2 : 1) && codes.element_size() == 1,
-              "codes do not match [N/16, G, ...] for this N and K");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf && scales.numel() == N * G,
-              "scales must be float16 [N/16, G, 16]");
+  const int bits = fmt_bits(static_cast<int>(fmt));
+  TORCH_CHECK(bits > 0, "unknown blocked format ", fmt);
+  const bool super = fmt_super(static_cast<int>(fmt));
+  const int64_t width = super ? 256 : kGroup;
+  TORCH_CHECK(N % kCols == 0 && K % width == 0, "N must be a multiple of 16 and K of ", width);
+  const int64_t G = K / kGroup, per_col = super ? K / 256 : G;
+  TORCH_CHECK(codes.is_contiguous() && codes.numel() == N * K * bits / 8 && codes.element_size() == 1,
+              "codes do not match [N/16, G, bits * 64] for this N and K");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf && scales.numel() == N * per_col,
+              "scales must be float16 [N/16, G or K/256, 16]");
+  const int min_rule = fmt_mins(static_cast<int>(fmt));
+  TORCH_CHECK(min_rule > 0 || mins.numel() == 0, "this format has no mins");
+  TORCH_CHECK(min_rule < 2 || mins.numel() > 0, "this format needs mins");
   if (mins.numel() > 0) {
-    TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == at::kHalf && mins.numel() == N * G,
-                "mins must be float16 [N/16, G, 16] or empty");
+    TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == at::kHalf && mins.numel() == N * per_col,
+                "mins must be float16 like scales, or empty");
+  }
+  if (super) {
+    TORCH_CHECK(subs.is_contiguous() && subs.element_size() == 1 &&
+                    subs.numel() == N * per_col * fmt_subs(static_cast<int>(fmt)),
+                "subs must be uint8 [N/16, K/256, sub-blocks, 16]");
   }
   Weights w{};
   w.codes = static_cast<const uint8_t*>(codes.data_ptr());
   w.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   w.mins = mins.numel() > 0 ? reinterpret_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
+  w.subs = super ? static_cast<const uint8_t*>(subs.data_ptr()) : nullptr;
   w.G = G;
-  w.bits = static_cast<int>(bits);
+  w.fmt = static_cast<int>(fmt);
+  w.bits = bits;
   return w;
 }
 

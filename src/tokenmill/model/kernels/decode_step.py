@@ -22,10 +22,10 @@ def available() -> bool:
     return quant_kernel.vnni_available() and fused_ops.available() and _EXTENSION.available()
 
 
-def decode_stack(tensors: list[torch.Tensor], bits: list[int], k_caches: list[torch.Tensor],
+def decode_stack(tensors: list[torch.Tensor], formats: list[int], k_caches: list[torch.Tensor],
                  v_caches: list[torch.Tensor], final_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_dim: int, eps: float, scale: float):
-    """The C++ DecodeStack over these weights and caches (14 tensors and 4 bit widths per layer, in
-    the order model/fused_decode.py lists them)."""
-    return torch.classes.tokenmill_step.DecodeStack(tensors, bits, k_caches, v_caches, final_norm, num_heads,
+    """The C++ DecodeStack over these weights and caches (18 tensors and 4 blocked-format ids per
+    layer, in the order model/fused_decode.py lists them)."""
+    return torch.classes.tokenmill_step.DecodeStack(tensors, formats, k_caches, v_caches, final_norm, num_heads,
                                                     num_kv_heads, head_dim, eps, scale)

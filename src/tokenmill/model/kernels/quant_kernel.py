@@ -32,30 +32,35 @@ def vnni_available() -> bool:
     return available() and _VNNI.available() and bool(torch.ops.tokenmill_vnni.supported())
 
 
+def blocked_args(w: BlockedWeight) -> tuple:
+    """A blocked weight as the VNNI ops take it: codes, scales, mins, subs, format id, N."""
+    return (w.codes, w.scales, or_empty(w.mins), or_empty(w.subs), w.fmt, w.shape[0])
+
+
 def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2) -> torch.Tensor:
     """terms: int8 terms per activation (2: ~15 bits, near fp32 quality; 1: llama.cpp's Q8)."""
-    return torch.ops.tokenmill_vnni.linear(x, w.codes, w.scales, or_empty(w.mins), w.bits, w.shape[0], terms)
+    return torch.ops.tokenmill_vnni.linear(x, *blocked_args(w), terms)
 
 
 def bound_blocked_linear(w: BlockedWeight, terms: int = 2):
     """`blocked_linear` with the weight's arguments bound: x -> x @ w.T (the decode hot path)."""
     op = torch.ops.tokenmill_vnni.linear.default
-    args = (w.codes, w.scales, or_empty(w.mins), w.bits, w.shape[0], terms)
+    args = (*blocked_args(w), terms)
     return lambda x: op(x, *args)
 
 
 def blocked_dequantize_bf16(w: BlockedWeight) -> torch.Tensor:
-    return torch.ops.tokenmill_vnni.dequantize_bf16(w.codes, w.scales, or_empty(w.mins), w.bits, w.shape[0],
-                                                    w.shape[1])
+    """The dense bf16 [N, K] matrix: gguf-py's values rounded once to bf16."""
+    return torch.ops.tokenmill_vnni.dequantize_bf16(*blocked_args(w), w.shape[1])
 
 
 def blocked_rows(w: BlockedWeight, ids: torch.Tensor) -> torch.Tensor:
-    return torch.ops.tokenmill_vnni.dequantize_rows(w.codes, w.scales, or_empty(w.mins), w.bits, w.shape[0],
-                                                    w.shape[1], ids)
+    """Rows `ids` as fp32 [T, K], gguf-py's values exactly (embedding lookups)."""
+    return torch.ops.tokenmill_vnni.dequantize_rows(*blocked_args(w), w.shape[1], ids)
 
 
 def or_empty(t: torch.Tensor | None) -> torch.Tensor:
-    """A weight's optional mins as the kernels take them: an empty tensor for none."""
+    """A weight's optional mins (or subs) as the kernels take them: an empty tensor for none."""
     return _EMPTY if t is None else t
 
 

@@ -1,0 +1,245 @@
+"""GGUF block formats re-laid, without changing a bit of information, for the AVX512-VNNI kernels.
+
+Why a file of its own: the kernels (csrc/quant_vnni.h, csrc/quant_blocks.h) read every format through
+one loop skeleton, so every format must arrive in one shape. A `BlockedWeight` holds, per block of 16
+output columns and group of 32 inputs, the unsigned codes of those 512 weights (`bits` x 64 bytes,
+laid as csrc/quant_blocks.h describes), and the numbers that scale them:
+
+- 32-wide formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): fp16 `scales` (and `mins`) per group;
+- 256-wide super-blocks (Q2_K .. Q6_K, IQ4_XS): fp16 `scales` (d) and `mins` (dmin) per super-block
+  and the file's integer sub-block scales in `subs`, one byte each (6-bit ones unpacked to a byte:
+  Q4_K's 12 bytes become 16, ~3% of the tensor; Q2_K's nibble pairs stay packed).
+
+value = scale x (code - offset) + min, where the per-format offset (16 for Q5_0, 32 for Q6_K, 128 for
+Q8_0 and the IQ4 codebook's bytes, ...) is subtracted by the kernels in integer arithmetic. Every
+value is the one gguf-py's `dequantize` gives (tests/model/test_block_decoders.py), and memory stays
+within ~1.04x of the file's bytes.
+
+The unpackers below follow gguf-py's `quants.py` (the bit-exact reference) for where each bit sits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import Q4_K
+
+COLS = 16
+GROUP = 32
+SUPER = 256
+# IQ4_NL / IQ4_XS's non-linear 4-bit codebook (ggml's kvalues_iq4nl): codes stay 4-bit indices, the
+# kernels look them up (+ 128, unsigned) with one byte shuffle per 64 codes (csrc/quant_blocks.h).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """What the kernels need to know of a GGUF type: its decoder id in csrc/quant_blocks.h, bits per
+    code, whether its scales are per super-block (with `subs` bytes per super-block and column)."""
+
+    fmt: int
+    bits: int
+    super_block: bool
+    subs: int = 0  # sub-block scale bytes per super-block and column
+    has_mins: bool = False
+
+
+# The ids are csrc/quant_blocks.h's `Fmt` (4 and 8 keep the meaning of the bit widths they replace).
+FORMATS: dict[str, BlockFormat] = {
+    "Q4_0": BlockFormat(4, 4, False, has_mins=True),  # min = -8 d, as QuantizedWeight keeps it
+    "Q4_1": BlockFormat(4, 4, False, has_mins=True),
+    "Q8_0": BlockFormat(8, 8, False),
+    "Q5_0": BlockFormat(10, 5, False),
+    "Q5_1": BlockFormat(11, 5, False, has_mins=True),
+    "IQ4_NL": BlockFormat(12, 4, False),
+    "Q2_K": BlockFormat(20, 2, True, 16, True),
+    "Q3_K": BlockFormat(21, 3, True, 16),
+    "Q4_K": BlockFormat(22, 4, True, 16, True),
+    "Q5_K": BlockFormat(23, 5, True, 16, True),
+    "Q6_K": BlockFormat(24, 6, True, 16),
+    "IQ4_XS": BlockFormat(25, 4, True, 8),
+}
+
+
+@dataclass
+class BlockedWeight:
+    """An [N, K] weight in the kernels' column-blocked layout (module docstring)."""
+
+    codes: torch.Tensor  # uint8 [N/16, G, bits * 64]
+    scales: torch.Tensor  # float16 [N/16, G or S, 16]
+    mins: torch.Tensor | None  # float16 like scales, or None
+    bits: int
+    kind: str  # the GGUF type name ("Q4_K"), or "int4" / "int8" for weights quantized at load
+    shape: tuple[int, int]
+    subs: torch.Tensor | None = None  # uint8 [N/16, S, subs, 16] for super-block formats
+    fmt: int = 0  # decoder id (BlockFormat.fmt); 0: the bit width's legacy decoder (4 or 8)
+
+    def __post_init__(self) -> None:
+        if self.fmt == 0:
+            self.fmt = self.bits
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scales, self.mins, self.subs) if t is not None)
+
+    @staticmethod
+    def cat(parts: list[BlockedWeight]) -> BlockedWeight:
+        """Output rows of several weights of one format stacked (fused q/k/v, gate/up): blocks of 16
+        columns are independent, so the blocked tensors stack along their first dimension."""
+        first = parts[0]
+        if any(p.fmt != first.fmt or p.shape[1] != first.shape[1] or (p.mins is None) != (first.mins is None)
+               for p in parts):
+            raise ValueError("cannot stack blocked weights of different formats")
+
+        def stack(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return None if ts[0] is None else torch.cat(ts)
+
+        kinds = "+".join(sorted({p.kind for p in parts}))
+        return BlockedWeight(stack([p.codes for p in parts]), stack([p.scales for p in parts]),
+                             stack([p.mins for p in parts]), first.bits, kinds,
+                             (sum(p.shape[0] for p in parts), first.shape[1]), stack([p.subs for p in parts]),
+                             first.fmt)
+
+
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes uint8 [N, K] (< 2**bits) into the blocked bytes [N/16, K/32, bits * 64].
+
+    Quad j of a group (inputs 4j..4j+3) of a block is 64 bytes, byte 4c + e = column c, input 4j + e.
+    The low bits of the 8 quads go in nibbles (zmm t: quad t low, quad t + 4 high) or crumbs (zmm t of
+    2: quad t + 2s at bits 2s); a 5th / 3rd bit in one plane (bit j = quad j); Q6_K's top two bits in
+    crumbs again, after the nibbles. 8-bit codes are the quads as they are."""
+    n, k = q.shape
+    g = k // GROUP
+    quads = q.reshape(n // COLS, COLS, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // COLS, g, 8, 64)
+
+    def nibbles(v: torch.Tensor) -> torch.Tensor:
+        return (v[:, :, :4] & 0x0F) | ((v[:, :, 4:] & 0x0F) << 4)
+
+    def crumbs(v: torch.Tensor) -> torch.Tensor:
+        v = v & 0x03
+        return torch.stack([v[:, :, t] | (v[:, :, t + 2] << 2) | (v[:, :, t + 4] << 4) | (v[:, :, t + 6] << 6)
+                            for t in (0, 1)], dim=2)
+
+    def plane(v: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(v[:, :, :1])
+        for j in range(8):
+            out |= (v[:, :, j : j + 1] & 1) << j
+        return out
+
+    if bits == 8:
+        parts = [quads]
+    elif bits == 2:
+        parts = [crumbs(quads)]
+    elif bits == 3:
+        parts = [crumbs(quads), plane(quads >> 2)]
+    elif bits == 4:
+        parts = [nibbles(quads)]
+    elif bits == 5:
+        parts = [nibbles(quads), plane(quads >> 4)]
+    elif bits == 6:
+        parts = [nibbles(quads), crumbs(quads >> 4)]
+    else:
+        raise ValueError(f"no blocked layout for {bits}-bit codes")
+    return torch.cat(parts, dim=2).reshape(n // COLS, g, bits * 64).contiguous()
+
+
+def by_block(t: np.ndarray | torch.Tensor | None) -> torch.Tensor | None:
+    """Per-row numbers [N, X, ...] into per-block ones [N/16, X, ..., 16] (16 columns side by side)."""
+    if t is None:
+        return None
+    t = torch.as_tensor(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
+    n = t.shape[0]
+    t = t.reshape(n // COLS, COLS, *t.shape[1:])
+    return t.movedim(1, -1).contiguous()
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """Blocks' 16 bytes of a 32-wide group: element j low nibble, j + 16 high (ggml's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Bit i of a little-endian bit field of `count` bits, as uint8 [..., count]."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")[..., :count]
+
+
+def _unpack(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """File blocks uint8 [N, B, block bytes] -> (codes [N, K], scales, mins, subs), numpy."""
+    n = b.shape[0]
+    if kind in ("Q5_0", "Q5_1"):
+        off = 2 if kind == "Q5_0" else 4
+        d = _f16(b[..., 0:2])
+        m = _f16(b[..., 2:4]) if kind == "Q5_1" else None
+        q = _nibbles32(b[..., off + 4 :]) | (_high_bits(b[..., off : off + 4], 32) << 4)
+        return q.reshape(n, -1), d, m, None
+    if kind == "IQ4_NL":
+        return _nibbles32(b[..., 2:]).reshape(n, -1), _f16(b[..., 0:2]), None, None
+    if kind == "Q2_K":
+        scales, qs = b[..., 0:16], b[..., 16:80]
+        q = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        return q.reshape(n, -1), _f16(b[..., 80:82]), _f16(b[..., 82:84]), scales
+    if kind == "Q3_K":
+        hmask, qs, packed = b[..., 0:32], b[..., 32:96], b[..., 96:108]
+        low = (packed[..., None, 0:8] >> np.array([0, 4], np.uint8).reshape(2, 1)).reshape(*packed.shape[:-1], 16) & 0x0F
+        high = (packed[..., 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)).swapaxes(-1, -2)
+        sc = (low | ((high.reshape(*packed.shape[:-1], 16) & 3) << 4)).astype(np.int16) - 32
+        ql = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        qh = (hmask[..., None, :] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+        q = ql.reshape(*qs.shape[:-1], 256) | (qh.reshape(*qs.shape[:-1], 256) << 2)
+        return q.reshape(n, -1), _f16(b[..., 108:110]), None, sc.astype(np.int8).view(np.uint8)
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        flat = np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12)
+        sc, m = Q4_K.get_scale_min(flat)
+        subs = np.concatenate([sc.reshape(-1, 8), m.reshape(-1, 8)], axis=-1).reshape(*b.shape[:-1], 16)
+        qs = b[..., 16:144] if kind == "Q4_K" else b[..., 48:176]
+        q = (qs.reshape(*qs.shape[:-1], 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
+        q = q.reshape(*qs.shape[:-1], 256)
+        if kind == "Q5_K":
+            qh = (b[..., 16:48][..., None, :] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+            q = q | (qh.reshape(*qs.shape[:-1], 256) << 4)
+        return q.reshape(n, -1), d, dmin, subs.astype(np.uint8)
+    if kind == "Q6_K":
+        ql, qh, sc = b[..., 0:128], b[..., 128:192], b[..., 192:208]
+        lo = (ql.reshape(*ql.shape[:-1], 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
+        hi = (qh.reshape(*qh.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        q = lo.reshape(*ql.shape[:-1], 256) | (hi.reshape(*ql.shape[:-1], 256) << 4)
+        return q.reshape(n, -1), _f16(b[..., 208:210]), None, np.ascontiguousarray(sc)
+    if kind == "IQ4_XS":
+        d = _f16(b[..., 0:2])
+        sh = np.ascontiguousarray(b[..., 2:4]).view(np.uint16)[..., 0]
+        sl = b[..., 4:8]
+        low = (sl[..., None] >> np.array([0, 4], np.uint8)).reshape(*sl.shape[:-1], 8) & 0x0F
+        high = (sh[..., None] >> (2 * np.arange(8, dtype=np.uint16))) & 3
+        ls = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
+        q = _nibbles32(b[..., 8:136].reshape(*b.shape[:-1], 8, 16))
+        return q.reshape(n, -1), d, None, ls.astype(np.int8).view(np.uint8)
+    raise ValueError(f"GGUF type {kind} has no kernel (kernel types: {', '.join(sorted(FORMATS))})")
+
+
+def blocked_from_file(kind: str, raw: torch.Tensor | np.ndarray, shape: tuple[int, int]) -> BlockedWeight:
+    """A tensor of one of FORMATS other than Q4_0 / Q4_1 / Q8_0 (those go through QuantizedWeight
+    so that their numbers stay those of the row layout), from its file bytes uint8 [N, row bytes]."""
+    n, k = shape
+    f = FORMATS.get(kind)
+    if f is None:
+        raise ValueError(f"GGUF type {kind} has no kernel (kernel types: {', '.join(sorted(FORMATS))})")
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    if n % COLS or k % block:
+        raise ValueError(f"a {kind} weight of shape {shape} does not fit the blocked layout: needs N % {COLS} == 0 "
+                         f"and K % {block} == 0")
+    data = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+    if data.dtype != np.uint8 or data.size != n * (k // block) * size:
+        raise ValueError(f"{kind} {shape}: expected {n * (k // block) * size} uint8 bytes, got {data.size} {data.dtype}")
+    codes, d, m, subs = _unpack(kind, data.reshape(n, k // block, size))
+    packed = pack_codes(torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8)), f.bits)
+    subs_t = None if subs is None else by_block(subs.reshape(n, k // SUPER, f.subs))
+    return BlockedWeight(packed, by_block(d.astype(np.float16)), by_block(None if m is None else m.astype(np.float16)),
+                         f.bits, kind, (n, k), subs_t, f.fmt)

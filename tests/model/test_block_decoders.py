@@ -1,0 +1,135 @@
+"""Every GGUF block format the VNNI kernels read (model/blocked_formats.py, csrc/quant_blocks.h), on
+random block bytes: the re-layout loses nothing (gguf-py's dequantization, bit for bit), and each
+kernel shape matches a float64 product within the bound its activation rounding allows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from tokenmill.model.kernels import quant_kernel
+from tokenmill.model.layers.quantized_linear import (
+    BLOCKED_DENSE_MIN_ROWS,
+    QuantizedEmbedding,
+    QuantizedLinear,
+)
+from tokenmill.model.quant import KERNEL_TYPES, BlockedWeight, to_blocked_gguf
+
+pytestmark = pytest.mark.skipif(not quant_kernel.vnni_available(), reason="no AVX512-VNNI kernel here")
+
+# Byte offsets of each block's fp16 fields (d, dmin / m): any other byte pattern is a valid block.
+FP16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
+}
+TYPES = sorted(KERNEL_TYPES)
+SUPER = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, row bytes] of random blocks whose fp16 scales are finite (~0.01, either sign)."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for at in FP16_FIELDS[kind]:
+        raw[..., at : at + 2] = (rng.standard_normal((n, k // block, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[BlockedWeight, torch.Tensor, int]:
+    raw = random_blocks(kind, n, k, seed)
+    ref = dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
+    return to_blocked_gguf(kind, torch.from_numpy(raw), (n, k)), torch.from_numpy(ref), raw.nbytes
+
+
+def two_term_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|kernel - x @ w.T| bound [M, N]. Each activation is rounded to int8 twice per group of 32
+    (quant_vnni.h): term 1 leaves |r| <= d1 / 2 with d1 = amax / 127, term 2 rounds r with d2 =
+    amax|r| / 127 <= d1 / 254 and leaves <= d2 / 2, so |x - x'| <= amax / (2 * 127 * 254) for every
+    element of the group; products with the codes are exact integers. Plus fp32 rounding of the
+    per-group scaling and accumulation: (G + 8) units of 2^-24 of sum |w x| (x4 for the min terms,
+    which are of the size of the weights here)."""
+    m, k = x.shape
+    g = k // 32
+    amax = x.double().abs().reshape(m, g, 32).amax(-1)  # [M, G]
+    wabs = w.double().abs().reshape(w.shape[0], g, 32).sum(-1)  # [N, G]
+    rounding = amax @ wabs.T / (2 * 127 * 254) * (1 + 1e-5)
+    fp32 = (g + 8) * 2.0**-24 * 4 * (x.double().abs() @ w.double().abs().T)
+    return rounding + fp32
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_relayout_is_lossless(kind):
+    k = 512 if kind in SUPER else 160
+    bw, ref, file_bytes = weight(kind, 48, k)
+    assert bw.kind == kind and bw.shape == (48, k)
+    ids = torch.arange(48)
+    assert torch.equal(quant_kernel.blocked_rows(bw, ids), ref)  # gguf-py's fp32 values, bit for bit
+    assert torch.equal(quant_kernel.blocked_dequantize_bf16(bw), ref.bfloat16())
+    # Memory stays the file's: 6-bit sub-block scales become bytes (Q3_K +4/110, Q4_K +4/144), nothing
+    # else grows, except Q4_0, which keeps today's numbers: its -8 d as an fp16 min (+2/18).
+    assert file_bytes <= bw.nbytes <= (1.12 if kind == "Q4_0" else 1.04) * file_bytes
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 48])
+def test_kernel_within_activation_rounding(kind, rows):
+    # 1-2 rows: matrix-vector tiles with two chains; 3..8 one tile; 9, 17: uneven tiles; from 16 the
+    # threads split rows. K = 768 for super-blocks (3 of them), 160 (a ragged group) otherwise.
+    k = 768 if kind in SUPER else 160
+    bw, ref, _ = weight(kind, 64, k, seed=rows)
+    x = torch.randn(rows, k)
+    x[0, 32:64] = 0  # a group of zeros: scale 0, not a division by zero
+    exact = x.double() @ ref.double().T
+    got = quant_kernel.blocked_linear(x, bw).double()
+    assert ((got - exact).abs() <= two_term_bound(x, ref)).all()
+    layer = QuantizedLinear(bw, None)
+    assert torch.equal(layer(x), quant_kernel.blocked_linear(x, bw))
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_prompt_rows_run_bf16_gemm_on_the_file_values(kind):
+    k = 512 if kind in SUPER else 160
+    bw, ref, _ = weight(kind, 32, k, seed=3)
+    rows = BLOCKED_DENSE_MIN_ROWS + 8
+    x = torch.randn(rows, k)
+    got = QuantizedLinear(bw, None)(x).double()
+    # bf16 activations and weights (each rounded once), fp32 accumulation over K (at most K units of
+    # 2^-24 of sum |w x|), the output rounded to bf16 (8 significant bits: 2^-8 of it).
+    xb, wb = x.bfloat16().double(), ref.bfloat16().double()
+    exact = xb @ wb.T
+    bound = exact.abs() * 2.0**-8 + k * 2.0**-24 * (xb.abs() @ wb.abs().T)
+    assert ((got - exact).abs() <= bound * (1 + 2.0**-8)).all()
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_embedding_rows(kind):
+    k = 256 if kind in SUPER else 96
+    bw, ref, _ = weight(kind, 32, k, seed=5)
+    ids = torch.tensor([0, 31, 16, 5, 16, 17])
+    assert torch.equal(QuantizedEmbedding(bw)(ids), ref[ids])
+
+
+def test_stacked_blocked_weights_equal_separate_ones():
+    a, ra, _ = weight("Q4_K", 32, 256, seed=1)
+    b, rb, _ = weight("Q4_K", 16, 256, seed=2)
+    both = BlockedWeight.cat([a, b])
+    assert both.shape == (48, 256)
+    assert torch.equal(quant_kernel.blocked_rows(both, torch.arange(48)), torch.cat([ra, rb]))
+    with pytest.raises(ValueError, match="different formats"):
+        BlockedWeight.cat([a, weight("Q6_K", 16, 256)[0]])
+
+
+@pytest.mark.parametrize("kind, shape, message", [
+    ("Q4_K", (40, 256), "N % 16"), ("Q6_K", (32, 320), "K % 256"), ("Q5_0", (32, 48), "K % 32"),
+    ("Q4_1", (40, 64), "multiple of 16"),
+])
+def test_shapes_that_do_not_fit_are_named(kind, shape, message):
+    n, k = shape
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    raw = torch.zeros(n, max(1, k // block) * size, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=message):
+        to_blocked_gguf(kind, raw, shape)
