@@ -133,3 +133,16 @@ def test_shapes_that_do_not_fit_are_named(kind, shape, message):
     raw = torch.zeros(n, max(1, k // block) * size, dtype=torch.uint8)
     with pytest.raises(ValueError, match=message):
         to_blocked_gguf(kind, raw, shape)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
+def test_conversion_in_row_chunks_is_the_same_weight(kind, monkeypatch):
+    from tokenmill.model import blocked_formats
+
+    raw = torch.from_numpy(random_blocks(kind, 80, 256, seed=7))
+    whole = to_blocked_gguf(kind, raw, (80, 256))
+    monkeypatch.setattr(blocked_formats, "CHUNK_WEIGHTS", 32 * 256)  # chunks of 32 rows: 32 + 32 + 16
+    chunked = to_blocked_gguf(kind, raw, (80, 256))
+    for a, b in ((whole.codes, chunked.codes), (whole.scales, chunked.scales), (whole.mins, chunked.mins),
+                 (whole.subs, chunked.subs)):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -238,8 +238,43 @@ def blocked_from_file(kind: str, raw: torch.Tensor | np.ndarray, shape: tuple[in
     data = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
     if data.dtype != np.uint8 or data.size != n * (k // block) * size:
         raise ValueError(f"{kind} {shape}: expected {n * (k // block) * size} uint8 bytes, got {data.size} {data.dtype}")
-    codes, d, m, subs = _unpack(kind, data.reshape(n, k // block, size))
-    packed = pack_codes(torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8)), f.bits)
-    subs_t = None if subs is None else by_block(subs.reshape(n, k // SUPER, f.subs))
-    return BlockedWeight(packed, by_block(d.astype(np.float16)), by_block(None if m is None else m.astype(np.float16)),
-                         f.bits, kind, (n, k), subs_t, f.fmt)
+    data = data.reshape(n, k // block, size)
+
+    def convert(r0: int, r1: int) -> BlockedWeight:
+        codes, d, m, subs = _unpack(kind, data[r0:r1])
+        packed = pack_codes(torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8)), f.bits)
+        subs_t = None if subs is None else by_block(subs.reshape(r1 - r0, k // SUPER, f.subs))
+        mins = None if m is None else by_block(m.astype(np.float16))
+        return BlockedWeight(packed, by_block(d.astype(np.float16)), mins, f.bits, kind, (r1 - r0, k), subs_t, f.fmt)
+
+    return by_row_chunks(n, k, convert)
+
+
+# Rows converted at a time: the unpacking's temporaries (a byte per weight, a few times over) stay a
+# few MB however large the tensor, so loading a model peaks near its file size.
+CHUNK_WEIGHTS = 1 << 22
+
+
+def by_row_chunks(n: int, k: int, convert) -> BlockedWeight:
+    """convert(r0, r1) -> BlockedWeight of rows [r0, r1), for chunks of whole blocks of 16 rows, copied
+    into one preallocated weight (no second full-size copy, as a final concatenation would make)."""
+    step = max(COLS, CHUNK_WEIGHTS // max(k, 1) // COLS * COLS)
+    first = convert(0, min(n, step))
+    if first.shape[0] == n:
+        return first
+
+    def like(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.empty((n // COLS, *t.shape[1:]), dtype=t.dtype)
+
+    out = BlockedWeight(like(first.codes), like(first.scales), like(first.mins), first.bits, first.kind, (n, k),
+                        like(first.subs), first.fmt)
+    part = first
+    for r0 in range(0, n, step):
+        if r0:
+            part = convert(r0, min(n, r0 + step))
+        b0, b1 = r0 // COLS, r0 // COLS + part.shape[0] // COLS
+        for dst, src in ((out.codes, part.codes), (out.scales, part.scales), (out.mins, part.mins),
+                         (out.subs, part.subs)):
+            if dst is not None:
+                dst[b0:b1] = src
+    return out

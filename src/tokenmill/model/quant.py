@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.model.blocked_formats import FORMATS, BlockedWeight, blocked_from_file
+from tokenmill.model.blocked_formats import FORMATS, BlockedWeight, blocked_from_file, by_row_chunks
 
 __all__ = ["KERNEL_TYPES", "BlockedWeight", "QuantizedWeight", "to_blocked", "to_blocked_gguf"]
 
@@ -126,7 +126,8 @@ def to_blocked_gguf(type_name: str, raw: torch.Tensor, shape: tuple[int, int]) -
         if n % 16:
             raise ValueError(f"a {type_name} weight of shape {shape}: {n} output rows is not a multiple of 16")
         blocks = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
-        return to_blocked(from_gguf_blocks(type_name, blocks, shape))
+        blocks = blocks.reshape(n, -1)
+        return by_row_chunks(n, k, lambda r0, r1: to_blocked(from_gguf_blocks(type_name, blocks[r0:r1], (r1 - r0, k))))
     return blocked_from_file(type_name, raw, shape)
 
 
