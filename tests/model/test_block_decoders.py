@@ -29,13 +29,13 @@ TYPES = sorted(KERNEL_TYPES)
 SUPER = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
 
 
-def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """uint8 [n, row bytes] of random blocks whose fp16 scales are finite (~0.01, either sign)."""
+def random_blocks(kind: str, n: int, k: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """uint8 [n, row bytes] of random blocks whose fp16 scales are finite (~scale, either sign)."""
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
     for at in FP16_FIELDS[kind]:
-        raw[..., at : at + 2] = (rng.standard_normal((n, k // block, 1)) * 0.01).astype(np.float16).view(np.uint8)
+        raw[..., at : at + 2] = (rng.standard_normal((n, k // block, 1)) * scale).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 
 

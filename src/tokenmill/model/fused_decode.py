@@ -13,12 +13,20 @@ import torch
 
 from tokenmill.model.attention import AttentionMetadata, TorchPagedAttention
 from tokenmill.model.kernels import decode_step, quant_kernel
+from tokenmill.model.layers.factory import ConcatLinear
 from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS, QuantizedLinear
 from tokenmill.model.quant import BlockedWeight
 
 
-def _blocked(linear) -> BlockedWeight | None:
-    return linear.vnni_weight if isinstance(linear, QuantizedLinear) else None
+def _blocked(linear) -> list[BlockedWeight] | None:
+    """The column-blocked weights a linear runs, in output order (several where a GGUF mixes types
+    inside a fused linear, as Q4_K_M does in q/k/v), or None where it does not run the VNNI kernel."""
+    if isinstance(linear, QuantizedLinear):
+        return None if linear.vnni_weight is None else [linear.vnni_weight]
+    if isinstance(linear, ConcatLinear) and linear.bias is None:
+        parts = [_blocked(p) for p in linear.parts]
+        return None if any(p is None for p in parts) else [w for p in parts for w in p]
+    return None
 
 
 class FusedDecodeStack:
@@ -42,16 +50,19 @@ class FusedDecodeStack:
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         tensors: list[torch.Tensor] = []
         formats: list[int] = []
+        parts: list[int] = []
         for layer in model.layers:
             tensors += [layer.input_norm.contiguous(), layer.post_norm.contiguous()]
             for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-                w = _blocked(part)
-                tensors += [w.codes, w.scales, quant_kernel.or_empty(w.mins), quant_kernel.or_empty(w.subs)]
-                formats.append(w.fmt)
+                weights = _blocked(part)
+                parts.append(len(weights))
+                for w in weights:
+                    tensors += [w.codes, w.scales, quant_kernel.or_empty(w.mins), quant_kernel.or_empty(w.subs)]
+                    formats.append(w.fmt)
         c = model.config
         self.kv_caches = kv_caches
         self._stack = decode_step.decode_stack(
-            tensors, formats, [k for k, _ in kv_caches], [v for _, v in kv_caches], model.norm.contiguous(),
+            tensors, formats, parts, [k for k, _ in kv_caches], [v for _, v in kv_caches], model.norm.contiguous(),
             c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, model.attention.scale)
 
     @classmethod

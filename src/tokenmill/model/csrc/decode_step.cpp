@@ -27,10 +27,18 @@
 namespace {
 
 constexpr int64_t kTerms = 2;  // int8 terms per activation (two: near fp32 quality, see quant_vnni.h)
-constexpr int64_t kTensorsPerLayer = 18;  // 2 norms, then codes, scales, mins, subs of qkv, o, gate_up, down
+constexpr int64_t kNormsPerLayer = 2;   // then codes, scales, mins, subs of each part of qkv, o, gate_up, down
+constexpr int64_t kTensorsPerPart = 4;
+
+// One of a linear's weights: its output columns [col0, col0 + N). A linear has several where a GGUF
+// mixes types inside it (Q4_K_M's q and k in Q4_K, v in Q6_K); the fused step runs them as one.
+struct Part {
+  tm_vnni::Weights w;
+  int64_t N, col0;
+};
 
 struct Linear {
-  tm_vnni::Weights w;
+  std::vector<Part> parts;
   int64_t N;
 };
 
@@ -48,12 +56,14 @@ inline void share(int64_t n, int tid, int nt, int64_t& begin, int64_t& end) {
   end = n * (tid + 1) / nt;
 }
 
-// y[:, blocks of this thread] = a @ w^T
+// y[:, blocks of this thread] = a @ w^T: the thread's share of all the parts' column blocks.
 inline void linear_share(const Linear& l, const tm_vnni::Acts& a, int64_t T, float* y, int tid, int nt) {
   int64_t b0, b1;
   share(l.N / tm_vnni::kCols, tid, nt, b0, b1);
-  if (b0 == b1) return;
-  tm_vnni::blocks<kTerms>(l.w, a, 0, T, l.N, b0, b1, y);
+  for (const Part& p : l.parts) {
+    const int64_t p0 = p.col0 / tm_vnni::kCols, lo = std::max(b0, p0), hi = std::min(b1, p0 + p.N / tm_vnni::kCols);
+    if (lo < hi) tm_vnni::blocks<kTerms>(p.w, a, 0, T, l.N, lo - p0, hi - p0, y + p.col0);
+  }
 }
 
 struct DecodeStack : torch::CustomClassHolder {
@@ -64,14 +74,21 @@ struct DecodeStack : torch::CustomClassHolder {
   double eps = 0, scale = 0;
   bool bf16_cache = false;
 
-  DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<at::Tensor> k_caches,
+  DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<int64_t> parts,
+              std::vector<at::Tensor> k_caches,
               std::vector<at::Tensor> v_caches, at::Tensor final_norm_in, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, double rms_eps, double attn_scale) {
     TORCH_CHECK(tm_fused::use_avx512() && tm_vnni::vnni_supported(), "the fused decode step needs AVX512-VNNI");
     const int64_t L = static_cast<int64_t>(k_caches.size());
-    TORCH_CHECK(L > 0 && static_cast<int64_t>(tensors.size()) == L * kTensorsPerLayer &&
-                    static_cast<int64_t>(formats.size()) == 4 * L && static_cast<int64_t>(v_caches.size()) == L,
-                "expected ", kTensorsPerLayer, " tensors and 4 formats per layer, and a K and V cache each");
+    int64_t total_parts = 0;
+    for (const int64_t n : parts) {
+      TORCH_CHECK(n > 0, "every linear needs a weight");
+      total_parts += n;
+    }
+    TORCH_CHECK(L > 0 && static_cast<int64_t>(parts.size()) == 4 * L && static_cast<int64_t>(v_caches.size()) == L &&
+                    static_cast<int64_t>(formats.size()) == total_parts &&
+                    static_cast<int64_t>(tensors.size()) == L * kNormsPerLayer + total_parts * kTensorsPerPart,
+                "expected per layer 2 norms, 4 linears of 4 tensors and a format per part, a K and V cache");
     nq = num_heads, nkv = num_kv_heads, hd = head_dim, eps = rms_eps, scale = attn_scale;
     TORCH_CHECK(nkv > 0 && nq % nkv == 0 && hd % 2 == 0 && hd <= 256, "unsupported head layout");
     hidden = final_norm_in.numel();
@@ -85,8 +102,10 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(bf16_cache || c0.scalar_type() == at::kFloat, "the KV cache must be float32 or bfloat16");
     num_slots = c0.size(1);
     const int64_t qkv_n = (nq + 2 * nkv) * hd;
+    const at::Tensor* t = tensors.data();
+    const int64_t* f = formats.data();
+    const int64_t* np = parts.data();
     for (int64_t i = 0; i < L; ++i) {
-      const at::Tensor* t = tensors.data() + i * kTensorsPerLayer;
       for (int j = 0; j < 2; ++j)
         TORCH_CHECK(t[j].is_contiguous() && t[j].scalar_type() == at::kFloat && t[j].numel() == hidden,
                     "layer ", i, ": norm weights must be contiguous float32 [hidden]");
@@ -94,20 +113,29 @@ struct DecodeStack : torch::CustomClassHolder {
         TORCH_CHECK(c->is_contiguous() && c->dim() == 3 && c->size(0) == nkv && c->size(1) == num_slots &&
                         c->size(2) == hd && c->scalar_type() == c0.scalar_type(),
                     "layer ", i, ": caches must be contiguous [num_kv_heads, slots, head_dim] of one dtype");
-      const int64_t* f = formats.data() + 4 * i;
-      auto linear = [&](int k, int64_t N, int64_t K) {
-        return Linear{tm_vnni::check(t[2 + 4 * k], t[3 + 4 * k], t[4 + 4 * k], t[5 + 4 * k], f[k], N, K), N};
+      const at::Tensor* norms = t;
+      t += kNormsPerLayer;
+      // The parts of the next linear, each part's N read off its codes (N x K x bits / 8 bytes).
+      auto linear = [&](int64_t K) {
+        Linear l{{}, 0};
+        for (int64_t j = 0; j < *np; ++j, t += kTensorsPerPart, ++f) {
+          const int bits = tm_vnni::fmt_bits(static_cast<int>(*f));
+          TORCH_CHECK(bits > 0, "layer ", i, ": unknown weight format ", *f);
+          const int64_t N = t[0].numel() * 8 / (K * bits);
+          l.parts.push_back(Part{tm_vnni::check(t[0], t[1], t[2], t[3], *f, N, K), N, l.N});
+          l.N += N;
+        }
+        ++np;
+        return l;
       };
-      // gate_up's N is 2 x intermediate, read off its codes (N x K x bits / 8 bytes)
-      const int gate_up_bits = tm_vnni::fmt_bits(static_cast<int>(f[2]));
-      TORCH_CHECK(gate_up_bits > 0, "layer ", i, ": unknown weight format ", f[2]);
-      const int64_t gate_up_n = t[10].numel() * 8 / (hidden * gate_up_bits);
-      if (i == 0) inter = gate_up_n / 2;
-      TORCH_CHECK(gate_up_n == 2 * inter, "layer ", i, ": intermediate sizes differ between layers");
-      Layer layer{t[0].data_ptr<float>(), t[1].data_ptr<float>(), linear(0, qkv_n, hidden),
-                  linear(1, hidden, nq * hd), linear(2, 2 * inter, hidden), linear(3, hidden, inter),
-                  k_caches[i].data_ptr(), v_caches[i].data_ptr()};
-      layers.push_back(layer);
+      Linear qkv_l = linear(hidden), o_l = linear(nq * hd), gate_up_l = linear(hidden);
+      if (i == 0) inter = gate_up_l.N / 2;
+      Linear down_l = linear(inter);
+      TORCH_CHECK(qkv_l.N == qkv_n && o_l.N == hidden && gate_up_l.N == 2 * inter && down_l.N == hidden,
+                  "layer ", i, ": linear sizes do not match the heads, hidden and intermediate sizes");
+      Layer layer{norms[0].data_ptr<float>(), norms[1].data_ptr<float>(), std::move(qkv_l), std::move(o_l),
+                  std::move(gate_up_l), std::move(down_l), k_caches[i].data_ptr(), v_caches[i].data_ptr()};
+      layers.push_back(std::move(layer));
       keep.push_back(k_caches[i]);
       keep.push_back(v_caches[i]);
     }
@@ -265,7 +293,8 @@ struct DecodeStack : torch::CustomClassHolder {
 
 TORCH_LIBRARY(tokenmill_step, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>,
                        at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("run", &DecodeStack::run);
 }
