@@ -1,7 +1,8 @@
 """A linear layer whose weight stays quantized in memory (model/quant.py), with a kernel per CPU.
 
-On AVX512-VNNI CPUs the weight is re-laid once into column blocks (`to_blocked`) and calls run
-csrc/quant_vnni.h: measured with SmolLM2's shapes, all 30 layers streamed, 2 threads, it reads Q4
+On AVX512-VNNI CPUs the weight is re-laid once into column blocks (`to_blocked`, or the loader's
+`to_blocked_gguf` for every GGUF block type in KERNEL_TYPES: K-quants, Q5, IQ4 in their own bits)
+and calls run csrc/quant_vnni.h: measured with SmolLM2's shapes, all 30 layers streamed, 2 threads, it reads Q4
 weights at ~20 GB/s for one row (3.2 ms a token). From BLOCKED_DENSE_MIN_ROWS rows (prefill chunks)
 the blocked weight is dequantized to a temporary bf16 matrix (10 ms for all 30 layers) for oneDNN's
 GEMM: 2048 rows 1.27 s vs 1.58 s, and bf16 activations cost less quality there than int8 ones would
