@@ -146,3 +146,22 @@ def test_conversion_in_row_chunks_is_the_same_weight(kind, monkeypatch):
     for a, b in ((whole.codes, chunked.codes), (whole.scales, chunked.scales), (whole.mins, chunked.mins),
                  (whole.subs, chunked.subs)):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q4_K", "Q6_K"])
+def test_shards_hold_the_file_values(kind):
+    k = 768 if kind in SUPER else 192
+    bw, ref, _ = weight(kind, 64, k, seed=9)
+    rows = bw.row_slice(16, 48)
+    assert torch.equal(quant_kernel.blocked_rows(rows, torch.arange(32)), ref[16:48])
+    cut = 256 if kind in SUPER else 64
+    cols = bw.column_slice(cut, k)
+    assert cols.shape == (64, k - cut)
+    assert torch.equal(quant_kernel.blocked_rows(cols, torch.arange(64)), ref[:, cut:])
+    x = torch.randn(3, k - cut)
+    got = quant_kernel.blocked_linear(x, cols).double()
+    assert ((got - x.double() @ ref[:, cut:].double().T).abs() <= two_term_bound(x, ref[:, cut:])).all()
+    with pytest.raises(ValueError, match="split its blocks" if kind in SUPER else "would split"):
+        bw.column_slice(32 if kind in SUPER else 16, k)
+    with pytest.raises(ValueError, match="blocks of 16"):
+        bw.row_slice(8, 48)

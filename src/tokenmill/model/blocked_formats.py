@@ -104,6 +104,35 @@ class BlockedWeight:
                              first.fmt)
 
 
+    def row_slice(self, start: int, end: int) -> BlockedWeight:
+        """Output rows [start, end) (a column-parallel shard), on blocks of 16: the same bytes."""
+        if start % COLS or end % COLS:
+            raise ValueError(f"rows [{start}, {end}) do not start and end on blocks of {COLS}")
+        b0, b1 = start // COLS, end // COLS
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[b0:b1].contiguous()
+
+        return BlockedWeight(cut(self.codes), cut(self.scales), cut(self.mins), self.bits, self.kind,
+                             (end - start, self.shape[1]), cut(self.subs), self.fmt)
+
+    def column_slice(self, start: int, end: int) -> BlockedWeight:
+        """Inputs [start, end) (a row-parallel shard). Both ends on the format's block (32, or 256 for
+        super-blocks, which share one d and sub-block scales and are never split): every value keeps
+        its own scales, the shard holds exactly the file's numbers."""
+        width = SUPER if self.subs is not None else GROUP
+        if start % width or end % width:
+            raise ValueError(f"a {self.kind} weight's inputs [{start}, {end}) would split its blocks of {width}")
+        g0, g1 = start // GROUP, end // GROUP
+        s0, s1 = start // width, end // width  # the scales' index: groups, or super-blocks
+
+        def cut(t: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+            return None if t is None else t[:, a:b].contiguous()
+
+        return BlockedWeight(cut(self.codes, g0, g1), cut(self.scales, s0, s1), cut(self.mins, s0, s1), self.bits,
+                             self.kind, (self.shape[0], end - start), cut(self.subs, s0, s1), self.fmt)
+
+
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned codes uint8 [N, K] (< 2**bits) into the blocked bytes [N/16, K/32, bits * 64].
 
