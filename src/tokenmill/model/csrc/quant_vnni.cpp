@@ -60,11 +60,12 @@ TV_TARGET TV_INLINE __m256i to_bf16(__m512 v) {  // round to nearest even (weigh
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
-// The fp32 values of one block and group, out[c][k] = column 16 nb + c at input 32 g + k: scale *
-// (code - offset) + min, rounded once as gguf-py rounds (scale * code is exact wherever there is a
-// min, so the fused multiply-add is gguf's product then sum).
-template <class D>
-TV_TARGET void decode_group(const Weights& w, int64_t nb, int64_t g, float (&out)[kCols][kGroup]) {
+// The fp32 values of one block and group: scale * (code - offset) + min, rounded once as gguf-py
+// rounds (scale * code is exact wherever there is a min, so the fused multiply-add is gguf's product
+// then sum). sink(j, part, v) takes quad j's columns 4 part .. 4 part + 3: lane 4 c + e of v is column
+// 4 part + c at input 4 j + e of the group.
+template <class D, class Sink>
+TV_TARGET TV_INLINE void decode_group(const Weights& w, int64_t nb, int64_t g, Sink&& sink) {
   const uint8_t* p = w.codes + (nb * w.G + g) * D::kBits * 64;
   __m512i q[8];
   pair<D, 0>(p, q[0], q[4]);
@@ -85,27 +86,42 @@ TV_TARGET void decode_group(const Weights& w, int64_t nb, int64_t g, float (&out
                             : part == 2 ? _mm512_extracti32x4_epi32(q[j], 2) : _mm512_extracti32x4_epi32(q[j], 3);
       const __m512 code = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(D::kOffset)));
       const __m512 s = _mm512_permutexvar_ps(idx, sc[h]);
-      const __m512 v = has_min ? _mm512_fmadd_ps(s, code, _mm512_permutexvar_ps(idx, mn[h])) : _mm512_mul_ps(s, code);
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, v);
-      for (int c = 0; c < 4; ++c) std::memcpy(&out[4 * part + c][4 * j], lanes + 4 * c, 16);
+      sink(j, part, has_min ? _mm512_fmadd_ps(s, code, _mm512_permutexvar_ps(idx, mn[h])) : _mm512_mul_ps(s, code));
     }
   }
 }
+
+// Where decode_group's values go: a block's 16 rows of a bf16 matrix (4 columns x 4 inputs: 8 bytes
+// per column), or one column's 32 fp32 values (the others are dropped).
+struct Bf16Sink {
+  uint16_t* o;
+  int64_t K;
+  TV_TARGET TV_INLINE void operator()(int j, int part, __m512 v) const {
+    alignas(32) uint64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), to_bf16(v));
+    for (int c = 0; c < 4; ++c) std::memcpy(o + (4 * part + c) * K + 4 * j, &lanes[c], 8);
+  }
+};
+
+struct RowSink {
+  float* o;
+  int64_t c;
+  TV_TARGET TV_INLINE void operator()(int j, int part, __m512 v) const {
+    if (c / 4 != part) return;
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, v);
+    std::memcpy(o + 4 * j, lanes + 4 * (c % 4), 16);
+  }
+};
 
 // The whole weight as a dense bf16 [N, K] matrix, for large batches: oneDNN's bf16 GEMM over it
 // beats the two-term VNNI kernel from a few hundred rows (model/layers/quantized_linear.py).
 template <class D>
 TV_TARGET void dequantize_blocks(const Weights& w, int64_t K, int64_t nb0, int64_t nb1, uint16_t* out) {
-  alignas(64) float vals[kCols][kGroup];
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     for (int64_t g = 0; g < w.G; ++g) {
-      decode_group<D>(w, nb, g, vals);
-      for (int64_t c = 0; c < kCols; ++c) {
-        uint16_t* o = out + (nb * kCols + c) * K + g * kGroup;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), to_bf16(_mm512_load_ps(vals[c])));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), to_bf16(_mm512_load_ps(vals[c] + 16)));
-      }
+      uint16_t* o = out + nb * kCols * K + g * kGroup;
+      decode_group<D>(w, nb, g, Bf16Sink{o, K});
     }
   }
 }
@@ -124,12 +140,11 @@ at::Tensor dequantize_bf16(const at::Tensor& codes, const at::Tensor& scales, co
 template <class D>
 TV_TARGET void lookup_rows(const Weights& w, int64_t N, int64_t K, const int64_t* ids, int64_t t0, int64_t t1,
                            float* out) {
-  alignas(64) float vals[kCols][kGroup];
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t nb = ids[t] / kCols, c = ids[t] % kCols;
     for (int64_t g = 0; g < w.G; ++g) {
-      decode_group<D>(w, nb, g, vals);
-      std::memcpy(out + t * K + g * kGroup, vals[c], sizeof vals[c]);
+      float* o = out + t * K + g * kGroup;
+      decode_group<D>(w, nb, g, RowSink{o, c});
     }
   }
 }
