@@ -12,7 +12,7 @@ pytest.importorskip("xgrammar")
 from tests.real_model import make_llm  # noqa: E402
 from tokenmill.entrypoints.openai.params import chat_sampling_params  # noqa: E402
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest  # noqa: E402
-from tokenmill.frontend.tool_parsers import ForcedCallState  # noqa: E402
+from tokenmill.frontend.forced_calls import ForcedCallState  # noqa: E402
 from tokenmill.sample.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -126,4 +126,4 @@ def test_mistral_calls_after_text_and_bare(step):
 def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown tool call parser 'qwen'; known: glm45, hermes, llama3_json, mistral"):
         get_tool_parser("qwen")
-    assert set(TOOL_PARSERS) == {"glm45", "hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"glm45", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}

@@ -19,10 +19,13 @@ answer is the same state fed all at once, so both modes agree.
   a value is read as JSON unless the tool's schema says the argument is a string (vLLM's rule) or
   it does not parse; then it is the string as written.
 
-`ForcedCallState` reads the output of tool_choice "required" or a named function, which a grammar
-built from the tools' schemas (entrypoints/openai/params.py) made a call whatever the parser.
+- `qwen3_coder` (Qwen3-Coder's XML, tool_parser_qwen3_coder.py) and `pythonic` (`[f(x=1)]`, Llama
+  3.2 / 4, tool_parser_pythonic.py) have readers of their own, which stream each call's arguments.
 
-A call is only emitted once its JSON is complete (its closing marker, or the end of the output), so
+`forced_calls.ForcedCallState` reads the output of tool_choice "required" or a named function, which a
+grammar built from the tools' schemas (entrypoints/openai/params.py) made a call whatever the parser.
+
+The JSON families emit a call only once its JSON is complete (its closing marker, or the end of the output), so
 its arguments arrive in one piece. Markup whose JSON is not a call (malformed, no name) is left in
 the content as the model wrote it: the client sees what the model said, never an error. Whitespace
 right after a call, and at the end of a reply that made calls, is dropped, so a reply of calls alone
@@ -33,15 +36,34 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 # The same hold-back as the reasoning markers' (a cut marker waits for the next delta).
 from tokenmill.frontend.reasoning_parser import _held_suffix
+from tokenmill.frontend.tool_call import (
+    CallFragment,
+    ToolCall,
+    ToolDelta,
+    Tools,
+    json_or_text,
+    new_call_id,
+    string_arguments,
+)
+from tokenmill.frontend.tool_parser_pythonic import PythonicState
+from tokenmill.frontend.tool_parser_qwen3_coder import Qwen3CoderState
 
-Tools = list[dict[str, Any]] | None  # the request's tools (OpenAI's shape, checked by params.check_tools)
+__all__ = ["CallFragment", "CallReader", "ToolCall", "ToolDelta", "ToolParser", "get_tool_parser", "parse_calls"]
+
+
+class CallReader(Protocol):
+    """What the event stream feeds, one per choice: a parser's state, or forced_calls.ForcedCallState."""
+
+    num_calls: int
+
+    def feed(self, text: str) -> ToolDelta: ...
+    def finish(self) -> ToolDelta: ...
 
 
 @dataclass(frozen=True)
@@ -54,26 +76,11 @@ class ToolParser:
     bare_start: str | None = None  # a reply opening with this (after whitespace) is a call without `start`
     # The calls in the text between the markers, or None when it is not a call (then it stays text).
     read: Callable[[str, Tools], list[ToolCall] | None] = lambda body, tools: parse_calls(body)
+    # A reader of its own (streaming arguments) instead of ToolCallState's markers + `read`.
+    state: Callable[[Tools], CallReader] | None = None
 
-    def new_state(self, tools: Tools = None) -> ToolCallState:
-        return ToolCallState(self, tools)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object as text, as OpenAI's function.arguments
-
-
-@dataclass(frozen=True)
-class ToolDelta:
-    content: str = ""
-    calls: tuple[ToolCall, ...] = ()
-
-
-def new_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
+    def new_state(self, tools: Tools = None) -> CallReader:
+        return self.state(tools) if self.state is not None else ToolCallState(self, tools)
 
 
 def parse_calls(body: str) -> list[ToolCall] | None:
@@ -92,13 +99,13 @@ def parse_calls(body: str) -> list[ToolCall] | None:
         except json.JSONDecodeError:
             return None
         for item in value if isinstance(value, list) else [value]:
-            call = _call_of(item)
+            call = call_of(item)
             if call is None:
                 return None
             calls.append(call)
 
 
-def _call_of(item: object) -> ToolCall | None:
+def call_of(item: object) -> ToolCall | None:
     if not isinstance(item, dict):
         return None
     name = item.get("name")
@@ -126,36 +133,18 @@ def read_glm45(body: str, tools: Tools) -> list[ToolCall] | None:
     name = head.strip()
     if not _GLM_NAME.fullmatch(name):
         return None
-    strings = _string_arguments(name, tools)
+    strings = string_arguments(name, tools)
     args: dict[str, Any] = {}
     at = len(head)
     while match := _GLM_ARG.match(body, at):
         key, value = match.group(1).strip(), match.group(2).strip()
         if not key:
             return None
-        args[key] = value if key in strings else _json_or_text(value)
+        args[key] = value if key in strings else json_or_text(value)
         at = match.end()
     if body[at:].strip():  # an unclosed pair, or text between the pairs
         return None
     return [ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))]
-
-
-def _string_arguments(name: str, tools: Tools) -> set[str]:
-    """The arguments of tool `name` its schema types as strings: their values stay text even when they
-    look like JSON ("42", "true")."""
-    for tool in tools or []:
-        function = tool.get("function") or {}
-        if function.get("name") == name:
-            properties = (function.get("parameters") or {}).get("properties") or {}
-            return {k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string"}
-    return set()
-
-
-def _json_or_text(value: str) -> Any:
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        return value
 
 
 TOOL_PARSERS: dict[str, ToolParser] = {
@@ -163,6 +152,8 @@ TOOL_PARSERS: dict[str, ToolParser] = {
     "llama3_json": ToolParser("llama3_json", "<|python_tag|>", None, bare_start="{"),
     "mistral": ToolParser("mistral", "[TOOL_CALLS]", None, bare_start="["),
     "glm45": ToolParser("glm45", "<tool_call>", "</tool_call>", read=read_glm45),
+    "qwen3_coder": ToolParser("qwen3_coder", "<tool_call>", "</tool_call>", state=Qwen3CoderState),
+    "pythonic": ToolParser("pythonic", "[", None, bare_start="[", state=PythonicState),
 }
 
 
@@ -272,37 +263,3 @@ class ToolCallState:
         if kept:
             self._seen_content, self._after_call = True, False
             content.append(kept)
-
-
-class ForcedCallState:
-    """tool_choice "required" or a named function: a grammar made the whole output the call, either
-    the named function's arguments object or a JSON array of {"name", "parameters"} objects (vLLM's
-    shape). It is read once the output ends; an output cut short (max_tokens) stays content."""
-
-    def __init__(self, name: str | None) -> None:
-        self.name = name
-        self.num_calls = 0
-        self._text: list[str] = []
-
-    def feed(self, text: str) -> ToolDelta:
-        self._text.append(text)
-        return ToolDelta()
-
-    def finish(self) -> ToolDelta:
-        text, self._text = "".join(self._text), []
-        calls = parse_calls(text) if self.name is None else self._named(text)
-        if not calls:
-            return ToolDelta(text)
-        self.num_calls += len(calls)
-        return ToolDelta("", tuple(calls))
-
-    def _named(self, text: str) -> list[ToolCall] | None:
-        try:
-            args = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        call = _call_of({"name": self.name, "arguments": args})
-        return None if call is None else [call]
-
-
-CallReader = ToolCallState | ForcedCallState  # what the chat handler feeds, one per choice

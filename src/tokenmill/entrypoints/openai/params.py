@@ -27,7 +27,7 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     if req.prompt_logprobs is not None:
         raise InvalidRequest("prompt_logprobs is supported on /v1/completions only", param="prompt_logprobs")
     check_tools(req.tools)
-    forced = forced_call_schema(req.tool_choice, req.tools)
+    forced = forced_call_schema(req.tool_choice, req.tools, parallel=req.parallel_tool_calls is not False)
     params = _common(req, max_tokens, logprobs)
     if forced is None:
         return params
@@ -38,10 +38,11 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     return dataclasses.replace(params, structured_output=StructuredOutputParams(json_schema=forced, param="tools"))
 
 
-def forced_call_schema(choice: str | dict | None, tools: list[dict] | None) -> dict | None:
+def forced_call_schema(choice: str | dict | None, tools: list[dict] | None, parallel: bool = True) -> dict | None:
     """The JSON schema tool_choice "required" or a named function generates under (None otherwise):
     the named function's parameters, or an array of one or more {"name", "parameters"} calls of any
-    tool (what frontend/tool_parsers.ForcedCallState reads back)."""
+    tool (what frontend/forced_calls.ForcedCallState reads back); not `parallel`: exactly one such
+    object, no array, so the grammar itself allows one call only."""
     name = check_tool_choice(choice, tools)
     if name is None and choice != "required":
         return None
@@ -53,6 +54,8 @@ def forced_call_schema(choice: str | dict | None, tools: list[dict] | None) -> d
          "required": ["name", "parameters"]}
         for n, schema in schemas.items()
     ]
+    if not parallel:
+        return calls[0] if len(calls) == 1 else {"anyOf": calls}
     return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
 

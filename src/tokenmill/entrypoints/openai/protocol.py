@@ -72,6 +72,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call (the grammar's, when forced)
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -7,9 +7,9 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pydantic
 from fastapi import Request
@@ -116,7 +116,14 @@ class Choice:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
 
-def usage(prompt_tokens: int, choices: list[Choice], n: int, count_completion: bool = True) -> dict[str, Any]:
+class Counted(Protocol):
+    """What usage reads of a choice: serving_common.Choice, or frontend/choice_events.ChoiceStream."""
+
+    num_tokens: int
+    num_cached_tokens: int
+
+
+def usage(prompt_tokens: int, choices: Sequence[Counted], n: int, count_completion: bool = True) -> dict[str, Any]:
     """Prompt tokens count once per prompt (not per sample); so do cached ones: what was cached
     before the prompt came, i.e. the least any of its samples found (later samples also hit the
     pages the first one just computed), as the offline API counts it."""
