@@ -47,6 +47,7 @@ from tokenmill.entrypoints.openai.serving_common import check_model, now_s
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
 from tokenmill.entrypoints.openai.serving_embedding import EmbeddingServing
 from tokenmill.entrypoints.openai.serving_tokenize import TokenizeServing
+from tokenmill.entrypoints.responses.routes import ResponsesRequest, install_responses
 from tokenmill.frontend.dp_router import DataParallelRouter
 from tokenmill.frontend.live_bound import install_live_bound
 from tokenmill.frontend.reasoning_parser import ReasoningParser, get_reasoning_parser
@@ -242,6 +243,8 @@ def build_app(
     async def detokenize(raw: Request) -> Response:
         return await server.tokens.detokenize(raw)
 
+    # The other protocols: translators onto the chat path (server.chat), each registered in one call.
+    install_responses(app, lambda: server.chat, auth, body_doc(ResponsesRequest))
     install_dashboard(app, lambda: server.manager, config.api_key, lambda: server.replicas)  # dashboard.py
     install_ollama(app, lambda: server, config.model_path, auth)  # Ollama's /api/* (entrypoints/ollama/)
     return app
