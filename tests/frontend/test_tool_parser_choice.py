@@ -31,11 +31,13 @@ LLAMA31 = "{% if builtin_tools %}<|python_tag|>{% endif %}<|start_header_id|>ipy
 LLAMA32 = ('Respond with a JSON for a function call in the format {"name": function name, "parameters": '
            "dictionary of argument name and its value}.{% if m.role == 'ipython' %}{% endif %}")
 QWEN3_CODER = "<tool_call>\n<function={{ tc.name }}>\n<parameter={{ k }}>\n{{ v }}\n</parameter>\n</function>"
+LLAMA4 = ("If you decide to invoke any of the function(s), you MUST put it in the format of "
+          "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]")
 
 
 @pytest.mark.parametrize(("template", "name"), [
     (HERMES, "hermes"), (GLM45, "glm45"), (MISTRAL, "mistral"), (LLAMA31, "llama3_json"), (LLAMA32, "llama3_json"),
-    (QWEN3_CODER, None), ("{{ messages[0].content }}", None), (None, None), ("", None),
+    (QWEN3_CODER, "qwen3_coder"), (LLAMA4, "pythonic"), ("{{ messages[0].content }}", None), (None, None), ("", None),
 ])
 def test_detect_tool_format(template, name):
     assert detect_tool_format(template) == name

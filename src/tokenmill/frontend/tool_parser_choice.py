@@ -28,8 +28,10 @@ def detect_tool_format(template: str | None) -> str | None:
         return None
     if "<arg_key>" in template:
         return "glm45"
-    if "<function=" in template:  # Qwen3-Coder's XML calls inside <tool_call>: no parser here reads them
-        return None
+    if "<function=" in template:  # Qwen3-Coder's XML calls inside <tool_call>
+        return "qwen3_coder"
+    if "func_name1(" in template or "[func_name(" in template:
+        return "pythonic"  # Llama 3.2's pythonic and Llama 4's templates show `[func_name1(param=value)]`
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<tool_call>" in template:

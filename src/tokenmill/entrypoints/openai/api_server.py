@@ -27,6 +27,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.config import DataParallelConfig, EngineConfig
+from tokenmill.entrypoints.anthropic.routes import install_messages
 from tokenmill.entrypoints.ollama.routes import install_ollama
 from tokenmill.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from tokenmill.entrypoints.openai.dashboard import install_dashboard
@@ -245,6 +246,7 @@ def build_app(
 
     # The other protocols: translators onto the chat path (server.chat), each registered in one call.
     install_responses(app, lambda: server.chat, auth, body_doc(ResponsesRequest))
+    install_messages(app, lambda: server.chat, config.api_key, body_doc)
     install_dashboard(app, lambda: server.manager, config.api_key, lambda: server.replicas)  # dashboard.py
     install_ollama(app, lambda: server, config.model_path, auth)  # Ollama's /api/* (entrypoints/ollama/)
     return app

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import Request
 
-from tokenmill.entrypoints.openai.params import chat_sampling_params
+from tokenmill.entrypoints.openai.params import chat_sampling_params, check_tools
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.request_log import RequestRecord, record_of
 from tokenmill.entrypoints.openai.serving_common import ServingBase, check_model, new_id, usage
@@ -105,13 +105,7 @@ class ChatRunner(ServingBase):
         params = params or chat_sampling_params(req)
         if self._keep_markers and req.tools and req.tool_choice in (None, "auto"):
             params = dataclasses.replace(params, skip_special_tokens=False)  # else the call markers vanish
-        # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
-        prompt_ids, prompt_timing = await run_tokenizer(
-            self.manager, timed_chat_prompt_ids, req.messages, self.manager.limits.max_model_len,
-            add_generation_prompt=req.add_generation_prompt is not False,
-            tools=req.tools,
-            chat_template_kwargs=req.chat_template_kwargs,
-        )
+        prompt_ids, prompt_timing = await self.prompt_ids(req)
         tokenized = time.monotonic()
         seqs = [Seq(prompt_ids, child_params(params, k)) for k in range(params.n)]
         self.manager.validate(seqs, "messages")
@@ -127,6 +121,19 @@ class ChatRunner(ServingBase):
                    for k in range(params.n)]
         return ChatRun(request_id, model, len(prompt_ids), params, streams, outputs, record, arrival,
                        self.reasoning_parser is not None)
+
+    async def prompt_ids(self, req: ChatCompletionRequest) -> tuple[list[int], dict[str, Any]]:
+        """The rendered, tokenized conversation (and its timing); also what count_tokens counts."""
+        self.manager.check_ready()
+        assert self.manager.limits is not None
+        check_tools(req.tools)
+        # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
+        return await run_tokenizer(
+            self.manager, timed_chat_prompt_ids, req.messages, self.manager.limits.max_model_len,
+            add_generation_prompt=req.add_generation_prompt is not False,
+            tools=req.tools,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
 
     def _reasoning_states(self, n: int) -> list[ReasoningState] | None:
         if self.reasoning_parser is None:

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API (`/v1/messages`): a translator onto the shared chat generation path."""
