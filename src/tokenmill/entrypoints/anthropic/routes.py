@@ -50,3 +50,6 @@ def install_messages(app: FastAPI, runner: Callable[[], ChatRunner], api_key: st
         return await answer(raw, lambda: serving.count_tokens(raw, runner()))
 
     return serving
+
+
+__all__ = ["CountTokensRequest", "MessagesRequest", "install_messages"]

@@ -27,7 +27,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.config import DataParallelConfig, EngineConfig
-from tokenmill.entrypoints.anthropic.routes import install_messages
+from tokenmill.entrypoints.anthropic.routes import CountTokensRequest, MessagesRequest, install_messages
 from tokenmill.entrypoints.ollama.routes import install_ollama
 from tokenmill.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from tokenmill.entrypoints.openai.dashboard import install_dashboard
@@ -156,7 +156,8 @@ def build_app(
                   description="An OpenAI-compatible LLM inference server (plus vLLM's extra fields and endpoints).")
     app.state.server = server  # run_server drains its manager on SIGTERM
     install_handlers(app)
-    install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest])
+    install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
+                          ResponsesRequest, MessagesRequest, CountTokensRequest])
     # Outermost last: the log sees every response, the 413s included.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.data_parallel.size > 1:

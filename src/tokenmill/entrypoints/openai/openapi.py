@@ -34,8 +34,16 @@ _OK: dict[tuple[str, str], str | dict[str, Any]] = {
     ("post", "/tokenize"): "TokenizeResponse",
     ("post", "/detokenize"): "DetokenizeResponse",
     ("get", "/v1/dashboard/stream"): _STREAM,
+    ("post", "/v1/responses"): "ResponseObject",
+    ("get", "/v1/responses/{response_id}"): "ResponseObject",
+    ("delete", "/v1/responses/{response_id}"): "ResponseDeleted",
+    ("get", "/v1/responses/{response_id}/input_items"): "ResponseItemList",
+    ("post", "/v1/messages"): "AnthropicMessage",
+    ("post", "/v1/messages/count_tokens"): "AnthropicTokenCount",
 }
-_STREAMED = {"/v1/chat/completions", "/v1/completions"}
+_STREAMED = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
+# Paths whose errors are not in OpenAI's format.
+_ERRORS = {"/v1/messages": "AnthropicError", "/v1/messages/count_tokens": "AnthropicError"}
 
 
 def body_doc(model: type[pydantic.BaseModel]) -> dict[str, Any]:
@@ -77,7 +85,9 @@ def document_responses(spec: dict[str, Any]) -> None:
                 if path in _STREAMED:
                     content.update(_STREAM)
                 responses["200"] = {"description": "OK", **({"content": content} if content else {})}
-            responses["default"] = {"description": "An error in OpenAI's format", "content": _json("ErrorResponse")}
+            error = _ERRORS.get(path, "ErrorResponse")
+            shape = "Anthropic's" if error == "AnthropicError" else "OpenAI's"
+            responses["default"] = {"description": f"An error in {shape} format", "content": _json(error)}
     schemas = spec.get("components", {}).get("schemas", {})
     if "HTTPValidationError" not in str(spec.get("paths")):  # only the dropped 422s used them
         schemas.pop("HTTPValidationError", None)

@@ -105,7 +105,58 @@ class RequestTimeline(_Open):
     sequences: list[dict[str, Any]]
 
 
+class ResponseObject(_Open):
+    """The Responses API's Response (POST /v1/responses, GET /v1/responses/{id})."""
+
+    id: str
+    object: str
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None
+
+
+class ResponseDeleted(_Open):
+    id: str
+    object: str
+    deleted: bool
+
+
+class ResponseItemList(_Open):
+    object: str
+    data: list[dict[str, Any]]
+    has_more: bool
+
+
+class AnthropicErrorDetail(_Open):
+    type: str
+    message: str
+
+
+class AnthropicError(_Open):
+    """Anthropic's error format: every 4xx and 5xx of /v1/messages."""
+
+    type: str
+    error: AnthropicErrorDetail
+
+
+class AnthropicMessage(_Open):
+    id: str
+    type: str
+    role: str
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    usage: dict[str, Any]
+
+
+class AnthropicTokenCount(_Open):
+    input_tokens: int
+
+
 RESPONSE_MODELS: list[type[BaseModel]] = [
     ErrorResponse, ModelCard, ModelList, CompletionResponse, ChatCompletionResponse, TokenizeResponse,
-    DetokenizeResponse, RequestTimeline,
+    DetokenizeResponse, RequestTimeline, ResponseObject, ResponseDeleted, ResponseItemList, AnthropicError,
+    AnthropicMessage, AnthropicTokenCount,
 ]
