@@ -10,6 +10,7 @@ import json
 from typing import Annotated
 
 import anthropic
+import httpx
 import openai
 import pydantic
 import pytest
@@ -135,16 +136,35 @@ def test_an_openai_agents_sdk_agent_calls_a_python_tool_and_answers(server, mode
 def test_anthropic_messages_with_a_tool_round_trip(server, model):
     claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=180)
     user = [{"role": "user", "content": QUESTION}]
+    # This SDK takes no `temperature` (the server's default, 1.0, samples): the named tool's grammar still
+    # makes the call valid.
     msg = claude.messages.create(model=model, max_tokens=60, messages=user, tools=ANTHROPIC_TOOLS,
-                                 tool_choice={"type": "tool", "name": "get_weather"}, temperature=0.0)
+                                 tool_choice={"type": "tool", "name": "get_weather"})
     (use,) = msg.content
     assert msg.stop_reason == "tool_use" and use.type == "tool_use" and set(use.input) == {"city"}
     turns = [*user, {"role": "assistant", "content": [use.model_dump(include={"type", "id", "name", "input"})]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
     count = claude.messages.count_tokens(model=model, messages=turns, tools=ANTHROPIC_TOOLS)
-    with claude.messages.stream(model=model, max_tokens=16, messages=turns, tools=ANTHROPIC_TOOLS,
-                                temperature=0.0) as stream:
+    with claude.messages.stream(model=model, max_tokens=16, messages=turns, tools=ANTHROPIC_TOOLS) as stream:
         final = stream.get_final_message()
-    assert final.content and final.content[0].type == "text" and final.content[0].text
-    assert final.stop_reason in ("end_turn", "max_tokens")
+    assert final.stop_reason in ("end_turn", "max_tokens") and final.usage.output_tokens >= 1
+    assert all(block.type == "text" for block in final.content)
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == count.input_tokens
+
+
+def _finished_count(server: ServerProcess) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tokenmill:request_success_total"))
+
+
+def test_the_new_endpoints_share_timelines_metrics_and_the_request_log(server, client, model):
+    before = _finished_count(server)
+    resp = client.responses.create(model=model, input="Hi", max_output_tokens=4)
+    raw = httpx.post(f"{server.url}/v1/messages", timeout=120,
+                     json={"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+    assert raw.status_code == 200 and raw.headers["x-request-id"] == raw.json()["id"]
+    for request_id in (resp.id, raw.json()["id"]):
+        timeline = httpx.get(f"{server.url}/v1/requests/{request_id}/timeline", timeout=60)
+        assert timeline.status_code == 200 and timeline.json()["sequences"][0]["frontend"]["tokenized"] is not None
+    assert _finished_count(server) >= before + 2
