@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from tokenmill.entrypoints.anthropic.serving import MessagesServing, error_json
 from tokenmill.entrypoints.openai.chat_run import ChatRunner
-from tokenmill.frontend.tokenizer_manager import RequestError
+from tokenmill.frontend.request_error import RequestError
 
 
 def _presented_key(request: Request) -> str:

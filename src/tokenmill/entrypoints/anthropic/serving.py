@@ -34,7 +34,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     unless_disconnected,
 )
 from tokenmill.frontend.choice_events import request_usage
-from tokenmill.frontend.tokenizer_manager import RequestError
+from tokenmill.frontend.request_error import RequestError
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}

@@ -34,7 +34,7 @@ from tokenmill.entrypoints.responses.protocol import ResponsesRequest
 from tokenmill.entrypoints.responses.store import ResponseStore, owner_of
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.choice_events import request_usage
-from tokenmill.frontend.tokenizer_manager import RequestError
+from tokenmill.frontend.request_error import RequestError
 
 # The chat path names chat's fields; a Responses client sent these instead.
 _RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
