@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import re
 
+# The same hold-back as the reasoning markers' (a cut marker waits for the next delta).
+from tokenmill.frontend.reasoning_parser import _held_suffix
 from tokenmill.frontend.tool_call import (
     CallFragment,
     ToolCall,
@@ -37,13 +39,6 @@ START, END = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\s]+)>")
 _PARAM = re.compile(r"\s*<parameter=([^>]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>))", re.DOTALL)
 _FUNCTION_END = re.compile(r"\s*</function>")
-
-
-def _held(text: str, marker: str) -> int:
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 class Qwen3CoderState:
@@ -84,7 +79,7 @@ class Qwen3CoderState:
             if self._phase == "outside":
                 at = text.find(START)
                 if at < 0:
-                    keep = _held(text, START)
+                    keep = _held_suffix(text, START)
                     self._content(text[: len(text) - keep], out)
                     self._buf = text[len(text) - keep:]
                     return

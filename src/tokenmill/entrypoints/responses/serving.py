@@ -31,7 +31,7 @@ from tokenmill.entrypoints.openai.serving_common import (
 from tokenmill.entrypoints.responses.input_items import chat_request, input_messages
 from tokenmill.entrypoints.responses.output import ResponseBuilder, item_id, response_object, usage_of
 from tokenmill.entrypoints.responses.protocol import ResponsesRequest
-from tokenmill.entrypoints.responses.store import ResponseStore, owner_of
+from tokenmill.entrypoints.responses.store import ResponseStore, StoredResponse, owner_of
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.choice_events import request_usage
 from tokenmill.frontend.request_error import RequestError
@@ -133,7 +133,7 @@ class ResponsesServing:
         return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
                              "last_id": items[-1]["id"] if items else None, "has_more": False})
 
-    def _stored(self, response_id: str, token: str | None):  # noqa: ANN202 - StoredResponse
+    def _stored(self, response_id: str, token: str | None) -> StoredResponse:
         entry = self.store.get(owner_of(token), response_id)
         if entry is None:
             raise RequestError(f"no stored response {response_id!r}", 404, "response_id", "response_not_found")
