@@ -15,6 +15,7 @@ from tests.server.test_responses_api import RecordingManager
 from tokenmill.entrypoints.openai.api_server import ServerConfig, ServerState, build_app
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.frontend.reasoning_parser import get_reasoning_parser
+from tokenmill.frontend.request_error import RequestError
 
 TOOLS = [{"name": "get_weather", "description": "Weather in a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -127,3 +128,15 @@ def test_errors_in_anthropics_shape(body, words):
     error = resp.json()
     assert error["type"] == "error" and error["error"]["type"] in ("invalid_request_error", "not_found_error")
     assert words in error["error"]["message"]
+
+
+def test_a_failure_mid_stream_ends_with_an_error_event():
+    app, manager = app_with("Hi")
+    manager.fail_with = RequestError("the server is shutting down", 503)
+    with client_of(app) as http, http.stream("POST", "/v1/messages", json={
+            "max_tokens": 5, "messages": USER, "stream": True}) as resp:
+        lines = [line for line in resp.iter_lines() if line.startswith(("event: ", "data: "))]
+    assert [line for line in lines if line.startswith("event: ")] == ["event: message_start", "event: ping",
+                                                                     "event: error"]
+    assert json.loads(lines[-1][len("data: "):]) == {
+        "type": "error", "error": {"type": "overloaded_error", "message": "the server is shutting down"}}

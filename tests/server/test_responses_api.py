@@ -17,6 +17,7 @@ from tests.server.test_reasoning_server import TokenByTokenManager
 from tokenmill.entrypoints.openai.api_server import ServerConfig, ServerState, build_app
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.frontend.reasoning_parser import get_reasoning_parser
+from tokenmill.frontend.request_error import RequestError
 from tokenmill.frontend.tokenizer_manager import Seq
 from tokenmill.ipc.messages import TextOutput
 
@@ -25,7 +26,7 @@ CALLS = json.dumps([{"name": "get_weather", "parameters": {"city": "Paris"}}, {"
 
 
 class RecordingManager(TokenByTokenManager):
-    """Remembers each prompt, and ends with `finish` ("length": a cut reply)."""
+    """Remembers each prompt, ends with `finish` ("length": a cut reply), or fails with `fail_with`."""
 
     finish = "stop"
 
@@ -35,6 +36,8 @@ class RecordingManager(TokenByTokenManager):
 
     async def generate(self, request_id: str, seqs: Sequence[Seq], **kw: object) -> AsyncIterator[tuple[int, TextOutput]]:
         self.prompts.append(self.tokenizer.decode(seqs[0].prompt_token_ids, skip_special_tokens=False))
+        if self.fail_with is not None:  # as a request ended by the server (drain, a dead child) ends
+            raise self.fail_with
         async for i, out in super().generate(request_id, seqs, **kw):
             if out.finished and self.finish != "stop":
                 out = TextOutput(out.request_id, out.text, out.token_ids, True, self.finish, None,
@@ -173,3 +176,15 @@ def test_bad_requests_are_400_naming_the_field(body, param):
         resp = http.post("/v1/responses", json=body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+def test_a_failure_mid_stream_ends_as_response_failed_then_error():
+    app, manager = app_with("Hi")
+    manager.fail_with = RequestError("the server is shutting down", 503, code="server_shutting_down")
+    with client_of(app) as http, http.stream("POST", "/v1/responses", json={"input": "x", "stream": True}) as resp:
+        events = [json.loads(line[len("data: "):]) for line in resp.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed", "error"]
+    assert events[2]["response"]["status"] == "failed"
+    assert events[2]["response"]["error"] == {"code": "server_shutting_down", "message": "the server is shutting down"}
+    with client_of(app) as http:
+        assert http.post("/v1/responses", json={"input": "x"}).status_code == 503
