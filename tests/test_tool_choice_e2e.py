@@ -36,10 +36,10 @@ def test_forced_tool_choice_gives_a_valid_call(choice):
     out = llm.chat(MESSAGES, SamplingParams(max_tokens=96, temperature=0.0, structured_output=grammar),
                    tools=TOOLS)[0].outputs[0]
     state = ForcedCallState(choice["function"]["name"] if isinstance(choice, dict) else None)
-    state.feed(out.text)
-    found = state.finish()
-    assert found.calls and found.content == "", out.text
-    for call in found.calls:
+    found = [state.feed(out.text), state.finish()]  # "required": each call as its JSON closes, named: at the end
+    calls = [c for delta in found for c in delta.calls]
+    assert calls and all(delta.content == "" for delta in found), out.text
+    for call in calls:
         tool = next(t["function"] for t in TOOLS if t["function"]["name"] == call.name)
         args = json.loads(call.arguments)
         assert set(args) == set(tool["parameters"]["required"]), out.text
