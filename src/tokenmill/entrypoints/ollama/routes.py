@@ -42,10 +42,11 @@ from tokenmill.entrypoints.openai.serving_common import (
 from tokenmill.entrypoints.openai.serving_embedding import as_floats, embed_inputs
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.chat_prompt_timing import timed_chat_prompt_ids
+from tokenmill.frontend.forced_calls import ForcedCallState
 from tokenmill.frontend.reasoning_parser import ReasoningState
 from tokenmill.frontend.tokenize_pool import run_tokenizer
 from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
-from tokenmill.frontend.tool_parsers import CallReader, ForcedCallState, ToolCall
+from tokenmill.frontend.tool_parsers import CallReader, ToolCall
 from tokenmill.ipc.messages import TextOutput
 
 NDJSON = "application/x-ndjson"
