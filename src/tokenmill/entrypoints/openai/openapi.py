@@ -42,7 +42,7 @@ _OK: dict[tuple[str, str], str | dict[str, Any]] = {
     ("post", "/v1/messages/count_tokens"): "AnthropicTokenCount",
 }
 _STREAMED = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
-# Paths whose errors are not in OpenAI's format.
+# Paths whose errors are not in OpenAI's format (and Ollama's /api/*: {"error": message}).
 _ERRORS = {"/v1/messages": "AnthropicError", "/v1/messages/count_tokens": "AnthropicError"}
 
 
@@ -85,8 +85,8 @@ def document_responses(spec: dict[str, Any]) -> None:
                 if path in _STREAMED:
                     content.update(_STREAM)
                 responses["200"] = {"description": "OK", **({"content": content} if content else {})}
-            error = _ERRORS.get(path, "ErrorResponse")
-            shape = "Anthropic's" if error == "AnthropicError" else "OpenAI's"
+            error = _ERRORS.get(path, "OllamaError" if path.startswith("/api/") else "ErrorResponse")
+            shape = {"AnthropicError": "Anthropic's", "OllamaError": "Ollama's"}.get(error, "OpenAI's")
             responses["default"] = {"description": f"An error in {shape} format", "content": _json(error)}
     schemas = spec.get("components", {}).get("schemas", {})
     if "HTTPValidationError" not in str(spec.get("paths")):  # only the dropped 422s used them

@@ -155,8 +155,14 @@ class AnthropicTokenCount(_Open):
     input_tokens: int
 
 
+class OllamaError(_Open):
+    """Ollama's error format: every 4xx and 5xx of /api/*."""
+
+    error: str
+
+
 RESPONSE_MODELS: list[type[BaseModel]] = [
     ErrorResponse, ModelCard, ModelList, CompletionResponse, ChatCompletionResponse, TokenizeResponse,
     DetokenizeResponse, RequestTimeline, ResponseObject, ResponseDeleted, ResponseItemList, AnthropicError,
-    AnthropicMessage, AnthropicTokenCount,
+    AnthropicMessage, AnthropicTokenCount, OllamaError,
 ]
