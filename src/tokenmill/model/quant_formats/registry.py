@@ -1,0 +1,69 @@
+"""One description per GGUF tensor type: block size, bytes a block, where its fp16 scales sit, and
+whether the CPU kernels read its blocks as they are.
+
+ggml keeps this as a table (`type_traits`) next to the block structs; this is the Python side of it.
+The loader asks it how to cut a tensor into rows of whole blocks, the layer factory whether a kernel
+takes the type, tensor parallelism where a shard may end (a block, 256 elements for K-quants, is
+never split), and the tests where the fp16 fields are (random bytes are a valid block once those
+are finite numbers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    name: str  # GGUF type name: "Q4_K"
+    block_elems: int  # weights a block holds (1 for unquantized types)
+    block_bytes: int
+    kernel: bool  # the C++ kernels read this type's blocks (or a lossless re-layout of them)
+    fp16_offsets: tuple[int, ...] = ()  # byte offsets of the block's fp16 scales / mins
+
+    @property
+    def quantized(self) -> bool:
+        return self.block_elems > 1
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.block_bytes / self.block_elems
+
+    def row_bytes(self, k: int) -> int:
+        """Bytes of one row of k weights; ValueError when k is not a whole number of blocks."""
+        if k % self.block_elems:
+            raise ValueError(f"a row of {k} weights is not a whole number of {self.name} blocks "
+                             f"({self.block_elems} weights each)")
+        return k // self.block_elems * self.block_bytes
+
+
+# The types the issue-22 kernels cover (csrc/, model/quant.py's KERNEL_TYPES must agree: tested).
+_KERNEL = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                     "IQ4_NL", "IQ4_XS"})
+# Where each block keeps its fp16 fields (ggml-common.h's block structs). Types left out have none
+# (unquantized, MXFP4's E8M0 byte) or pack the scale across bits (IQ1_M).
+_FP16_OFFSETS: dict[str, tuple[int, ...]] = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
+}
+UNQUANTIZED = frozenset({"F32", "F16", "BF16", "F64"})
+
+FORMATS: dict[str, QuantFormat] = {
+    t.name: QuantFormat(t.name, elems, size, t.name in _KERNEL, _FP16_OFFSETS.get(t.name, ()))
+    for t, (elems, size) in GGML_QUANT_SIZES.items()
+}
+
+
+def format_of(name: str) -> QuantFormat:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown GGUF tensor type {name!r}") from None
+
+
+def gguf_type(name: str) -> GGMLQuantizationType:
+    return GGMLQuantizationType[format_of(name).name]
