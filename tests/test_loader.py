@@ -23,14 +23,14 @@ from tokenmill.model import default_model
 from tokenmill.model.default_model import default_model_path
 from tokenmill.model.hf_loader import read_config
 from tokenmill.model.loader import load_weights
-from tokenmill.model.quant import QuantizedWeight
+from tokenmill.model.quant_formats import GGUFWeight
 
 
 def assert_same_tensors(ours: dict, theirs: dict[str, torch.Tensor]) -> None:
-    """Same names and values; a matrix kept quantized must dequantize to exactly the reference's fp32."""
+    """Same names and values; a GGUF matrix (its blocks, or 16-bit) must give exactly the reference's fp32."""
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():
-        mine = ours[name].dequantize() if isinstance(ours[name], QuantizedWeight) else ours[name]
+        mine = ours[name].dequantize() if isinstance(ours[name], GGUFWeight) else ours[name].float()
         assert mine.dtype == torch.float32 and mine.is_contiguous(), name
         assert torch.equal(mine, tensor.to(torch.float32)), name
 
@@ -67,7 +67,7 @@ def test_gguf_conversion_of_tiny_model_matches(tmp_path, arch):
     expected = reference_state_dict(reference_model(folder))
     embed = "model.embed_tokens.weight"
     expected[embed] = expected[embed].half().float()  # the converter stored it as F16
-    assert loaded.kind == "gguf"
+    assert loaded.kind == "gguf" and loaded.weights[embed].dtype == torch.float16  # and it stays 16-bit
     assert_same_tensors(loaded.weights, expected)
     hf_config = load_weights(str(folder)).config
     # GGUF has no mistral (llama.cpp converts it as llama) and keeps the epsilon as float32.

@@ -1,5 +1,6 @@
 """A GGUF whose matrices are Q4_0 / Q4_1 / Q8_0 runs with its weights kept quantized in fast mode
-(at about the file's size in memory, close to the exact path's logits) and dequantized in exact mode."""
+(at about the file's size in memory, close to the exact path's logits) and dequantized in exact mode;
+a type the kernels lack runs as bf16 with one warning line."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from tokenmill.engine.factory import build_engine_core
 from tokenmill.errors import InvalidRequest
 from tokenmill.model.kernels import quant_kernel
 from tokenmill.model.layers.dense_linear import DenseLinear
+from tokenmill.model.layers.factory import kernel_types
 from tokenmill.model.layers.quantized_linear import QuantizedLinear
 from tokenmill.model.loader import load_weights
-from tokenmill.model.quant import QuantizedWeight
+from tokenmill.model.quant_formats import GGUFWeight
 from tokenmill.model.runner import SeqChunk
 
 
@@ -35,7 +37,7 @@ def quantized_gguf(request, tmp_path_factory):
 def test_matrices_stay_quantized_at_about_the_file_size(quantized_gguf):
     kind, path = quantized_gguf
     loaded = load_weights(str(path))
-    matrices = [w for w in loaded.weights.values() if isinstance(w, QuantizedWeight)]
+    matrices = [w for w in loaded.weights.values() if isinstance(w, GGUFWeight)]
     assert len(matrices) == 2 + 2 * 7 and {w.kind for w in matrices} == {kind}  # embed, lm_head, 7 a layer
     core = build_engine_core(EngineConfig(model=str(path), precision="fast", num_threads=1, kv_cache_tokens=256))
     model = core.runner.model
@@ -87,17 +89,26 @@ def test_quantization_needs_fast_precision():
         EngineConfig(quantization="fp8")
 
 
-@pytest.mark.parametrize("kind, bits", [("Q4_K", 4), ("Q6_K", 8)])
-def test_k_quants_are_requantized_near_the_file_size(tmp_path, kind, bits):
-    # K-quant matrices are dequantized at load (the exact path's fp32) and packed again for fast mode.
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quants_run_from_their_blocks_or_as_bf16_with_a_warning(tmp_path, kind, caplog):
+    # 10 matrices: embed, lm_head and 4 a layer (q/k/v and gate/up fused). Never re-quantized: with a kernel for the type the file's blocks run as they are, near the
+    # file's size; without one (older kernels) the matrices run as bf16 and the log says so once.
     folder = make_tiny_model(tmp_path, "llama", tokenizer=False, hidden_size=256, intermediate_size=512)
     path = write_tiny_gguf(folder, tmp_path / "k.gguf", quant=kind)
     loaded = load_weights(str(path))
     assert loaded.gguf_types["model.layers.0.mlp.down_proj.weight"] == kind
-    fast = build_engine_core(EngineConfig(model=str(path), precision="fast", num_threads=1, kv_cache_tokens=256))
+    down = loaded.weights["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, GGUFWeight) and down.kind == kind
+    with caplog.at_level("WARNING", logger="tokenmill.model.builder"):
+        fast = build_engine_core(EngineConfig(model=str(path), precision="fast", num_threads=1, kv_cache_tokens=256))
     qkv = fast.runner.model.layers[0].qkv
-    assert isinstance(qkv, QuantizedLinear) and qkv.weight.bits == bits and kind in qkv.weight.kind
-    assert fast.runner.model.weight_bytes() <= 1.3 * os.path.getsize(path)
+    warnings = [r.getMessage() for r in caplog.records if "without a CPU kernel" in r.getMessage()]
+    if kind in kernel_types():
+        assert isinstance(qkv, QuantizedLinear) and kind in qkv.weight.kind and not warnings
+        assert fast.runner.model.weight_bytes() <= 1.1 * os.path.getsize(path)
+    else:
+        assert isinstance(qkv, DenseLinear) and qkv.weight.dtype == torch.bfloat16
+        assert len(warnings) == 1 and f"{kind} (10 matrices, no kernel)" in warnings[0] and "MB" in warnings[0]
     exact = build_engine_core(EngineConfig(model=str(path), precision="exact", num_threads=1, kv_cache_tokens=256))
     ids = list(range(100, 104))
     a, b = logits(fast, ids), logits(exact, ids)

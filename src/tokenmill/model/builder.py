@@ -9,17 +9,20 @@ outputs must be summed or gathered across ranks. Nothing in model/ knows about p
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.layers.factory import LayerPolicy, requantize_for_fast_path
+from tokenmill.model.layers.factory import LayerPolicy, describe_fallbacks
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_weights
 from tokenmill.model.registry import model_class
 from tokenmill.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class ModelShard(Protocol):
@@ -49,14 +52,17 @@ def build_model(
 ) -> BuiltModel:
     """Weights loaded, laid out for `precision` / `quantization`, and a runner with its KV tensors."""
     loaded = load_weights(path)
+    source = loaded.source
     mc = loaded.config
     max_len = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     policy = LayerPolicy(precision, quantization, bf16_min_rows)
     weights, layer_config = loaded.weights, mc
     if shard is not None:
         weights, layer_config = shard.shard_weights(mc, weights), shard.shard_config(mc)
-    weights = requantize_for_fast_path(weights, loaded.gguf_types, policy)
     model = model_class(mc.architecture)(layer_config, weights, max_len, policy=policy)
+    del weights, loaded  # the file's pages and any block copies go with them
+    if (line := describe_fallbacks(policy.fallbacks)) is not None:
+        logger.warning("%s", line)
     if shard is not None:
         shard.parallelize(model)
     # Fast mode keeps K/V in bf16: decode attention at many rows reads the whole context of every row
@@ -64,4 +70,4 @@ def build_model(
     kv_dtype = torch.bfloat16 if precision == "fast" else torch.float32
     # Fast mode attends prompts through the paged kernel too; exact keeps SDPA (transformers' numbers).
     runner = ModelRunner(model, num_pages, page_size, kv_dtype, prefill_as_decode_rows=precision == "fast")
-    return BuiltModel(runner, mc, max_len, loaded.source)
+    return BuiltModel(runner, mc, max_len, source)

@@ -1,31 +1,34 @@
 """Reads a llama.cpp GGUF file: metadata into ModelConfig, tensors with HF names.
 
-Q4_0, Q4_1 and Q8_0 matrices stay quantized (`QuantizedWeight`, about the file's size in memory); the
-model dequantizes them to fp32 only for the exact path. Every other type is dequantized to fp32 here.
+Nothing is dequantized here. The file is memory-mapped and every quantized matrix, whatever its
+type, comes back as a `GGUFWeight`: its rows of blocks, still the file's pages (the layer factory
+turns each into what the precision runs, one at a time, and lets its pages go). F16 / BF16 matrices
+stay 16-bit; F32 tensors and vectors (norms, biases) are copied as fp32.
+
+Families differ in tensor names and in what llama.cpp's converter did to some tensors; both are
+tables here (`ARCHITECTURES`, `_LAYER_NAMES`, `_TENSOR_FIXES`), so a family is a few entries.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.quant import NATIVE_GGUF_TYPES, QuantizedWeight, from_gguf_blocks
+from tokenmill.model.quant_formats import GGUFWeight, format_of
 
 GGUF_MAGIC = b"GGUF"
 
 # GGUF `general.architecture` -> registry key. Mistral GGUFs say "llama": llama.cpp converts them as llama.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-# llama.cpp's converter interleaves the rows of q/k (to its rope layout) for these architectures only;
-# its Qwen2/Qwen3 converters keep the HF layout, as transformers' GGUF loader assumes.
-_PERMUTED_QK = {"llama"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -50,8 +53,11 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight], dict[str, str]]:
-    """Config, weights, and the GGUF type name of every weight (e.g. "Q4_K" for one dequantized here)."""
+Tensor = torch.Tensor | GGUFWeight
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str]]:
+    """Config, weights, and the GGUF type name of every weight ("Q4_K", "F32", ...)."""
     _check_magic(path)
     try:
         reader = GGUFReader(path)
@@ -62,43 +68,68 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor | Quantize
         supported = ", ".join(sorted(ARCHITECTURES))
         raise ModelLoadError(path, f"unsupported architecture {arch!r} (supported: {supported})")
     config = _config(reader, path, arch)
-    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    weights: dict[str, Tensor] = {}
     types: dict[str, str] = {}
     rope_freqs = None
     for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        # GGUF lists dims fastest-first; torch wants them slowest-first.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tensor.tensor_type.name in NATIVE_GGUF_TYPES and len(shape) == 2 and tensor.name != _ROPE_FREQS:
-            name = _hf_name(tensor.name, path)
-            try:
-                qw = from_gguf_blocks(tensor.tensor_type.name, tensor.data, shape)
-            except Exception as e:
-                raise ModelLoadError(path, f"cannot read tensor {tensor.name!r} ({type(e).__name__}: {e})") from e
-            if arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
-                heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
-                qw = qw.rows(torch.from_numpy(_unpermute_rows(np.arange(shape[0]), heads).copy()))
-            weights[name] = qw
-            types[name] = tensor.tensor_type.name
-            continue
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-            # GGUF lists dims fastest-first; numpy wants them slowest-first.
-            array = array.reshape(shape)
+            if tensor.name == _ROPE_FREQS:
+                rope_freqs = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+                continue
+            name = _hf_name(tensor.name, path)
+            w = _read(tensor.data, kind, shape)
+            for fix in _TENSOR_FIXES.get(arch, ()):
+                w = fix(name, w, config)
+        except ModelLoadError:
+            raise
         except Exception as e:
             raise ModelLoadError(path, f"cannot read tensor {tensor.name!r} ({type(e).__name__}: {e})") from e
-        if tensor.name == _ROPE_FREQS:
-            rope_freqs = array
-            continue
-        name = _hf_name(tensor.name, path)
-        if arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
-            heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
-            array = _unpermute_rows(array, heads)
-        # The reader memory-maps the file read-only and F32 tensors come back as views of that map:
-        # copy those (torch wants writable memory, and it must outlive the map); fresh arrays pass as is.
-        weights[name] = torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
-        types[name] = tensor.tensor_type.name
+        weights[name] = w
+        types[name] = kind
     if rope_freqs is not None:
         config = _with_llama3_scaling(config, rope_freqs, _meta(reader, f"{arch}.rope.dimension_count"), path)
     return config, weights, types
+
+
+_SIXTEEN_BITS = {"F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _read(data: np.ndarray, kind: str, shape: tuple[int, ...]) -> Tensor:
+    """One tensor: a quantized matrix as its blocks (still the file's pages), a 16-bit matrix as a
+    16-bit tensor, anything else fp32."""
+    fmt = format_of(kind)
+    raw = data.view(np.uint8)
+    if len(shape) == 2 and fmt.quantized:
+        return GGUFWeight(kind, raw.reshape(shape[0], fmt.row_bytes(shape[1])), shape)
+    if len(shape) == 2 and kind in _SIXTEEN_BITS:
+        return torch.from_numpy(np.array(raw)).view(_SIXTEEN_BITS[kind]).reshape(shape)
+    array = dequantize(data, GGMLQuantizationType[kind]).reshape(shape)
+    # F32 tensors come back as views of the read-only map: copy (torch wants writable memory that
+    # outlives the map); fresh arrays pass as they are.
+    return torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+
+
+def _unpermute_qk(name: str, w: Tensor, config: ModelConfig) -> Tensor:
+    """llama.cpp's llama converter interleaves the rows of q/k (to its rope layout); undo it. Its
+    Qwen2/Qwen3 converters keep the HF layout, as transformers' GGUF loader assumes."""
+    if ".q_proj." not in name and ".k_proj." not in name:
+        return w
+    heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+    order = _unpermute_rows(np.arange(w.shape[0]), heads)
+    if isinstance(w, GGUFWeight):  # whole rows of blocks move: lossless
+        moved = w.rows(order)
+        w.release()
+        return moved
+    return w[torch.from_numpy(order.copy())].contiguous()
+
+
+# Per family, what to do to a tensor (HF name, tensor, config) after reading it.
+_TENSOR_FIXES: dict[str, tuple[Callable[[str, Tensor, ModelConfig], Tensor], ...]] = {
+    "llama": (_unpermute_qk,),
+}
 
 
 def read_gguf_config(path: str) -> ModelConfig:

@@ -1,7 +1,8 @@
 """Turns a model path (GGUF file or Hugging Face folder) into tensors with Hugging Face llama names.
 
-Tensors are fp32, except GGUF matrices of a type the CPU kernel reads directly (Q4_0, Q4_1, Q8_0),
-which stay quantized as `QuantizedWeight`s; model/layers decides per precision what to run them as.
+Hugging Face tensors are fp32. GGUF matrices stay as the file holds them: quantized ones as
+`GGUFWeight`s (rows of blocks, any type), F16 / BF16 ones 16-bit; model/layers decides per precision
+what each runs as, so loading never makes an fp32 copy of a quantized model.
 """
 
 from __future__ import annotations
@@ -18,19 +19,19 @@ from tokenmill.model.default_model import default_model_path
 from tokenmill.model.gguf_loader import GGUF_MAGIC, load_gguf, read_gguf_config
 from tokenmill.model.hf_loader import load_hf, read_config
 from tokenmill.model.moe_config import moe_shapes
-from tokenmill.model.quant import QuantizedWeight
+from tokenmill.model.quant_formats import GGUFWeight
 
 
 @dataclass
 class LoadedWeights:
     config: ModelConfig
-    # fp32, contiguous, Hugging Face llama names; `lm_head.weight` only when embeddings are not tied.
-    # GGUF Q4_0/Q4_1/Q8_0 matrices are QuantizedWeights (their `dequantize()` gives gguf's fp32 values).
-    weights: dict[str, torch.Tensor | QuantizedWeight]
+    # Hugging Face llama names; `lm_head.weight` only when embeddings are not tied. Tensors are
+    # contiguous fp32 (16-bit for GGUF F16 / BF16 matrices); quantized GGUF matrices are GGUFWeights
+    # (their `dequantize()` gives gguf-py's fp32 values).
+    weights: dict[str, torch.Tensor | GGUFWeight]
     source: str
     kind: Literal["gguf", "hf"]
-    # GGUF only: each tensor's type in the file ("Q4_1", "Q6_K", "F32", ...). Types the kernel cannot
-    # read as they are were dequantized to fp32; fast mode re-quantizes those (layers/factory.py).
+    # GGUF only: each tensor's type in the file ("Q4_1", "Q6_K", "F32", ...).
     gguf_types: dict[str, str] = field(default_factory=dict)
 
 
@@ -104,7 +105,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight], source: str) -> None:
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor | GGUFWeight], source: str) -> None:
     """Refuse a checkpoint that does not match its config, before a matmul fails somewhere deep.
 
     Unexpected tensors are refused too (e.g. an o_proj or mlp bias): the model would silently ignore

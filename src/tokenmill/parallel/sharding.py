@@ -8,8 +8,13 @@
 - Vocabulary-parallel: the embedding and the lm_head by vocabulary rows; a lookup is a masked
   lookup plus an all-reduce, logits an all-gather.
 
-Quantized weights are sliced in their packed form (whole groups of 32 along the input), before any
-re-layout for a kernel, so each rank holds exactly the file's numbers for its slice.
+Quantized weights are sliced in their packed form before any re-layout for a kernel: a GGUF matrix
+as the file's rows of blocks (rows are whole, so a column-parallel shard is lossless), a row-parallel
+shard between blocks (32 weights, 256 for K-quants and IQ4_XS), so each rank holds exactly the file's
+numbers for its slice. When a shard boundary would cut a block (e.g. a K-quant down_proj whose
+intermediate size over the ranks is not a multiple of 256), that block's scale belongs to both sides:
+the shard is dequantized to the file's exact fp32 values instead (fast mode then runs it dense, as a
+bf16 GEMM), with a warning naming the tensor and the tensor-parallel sizes that keep blocks whole.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ from tokenmill.errors import InvalidRequest
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.quant import GROUP, QuantizedWeight
+from tokenmill.model.quant_formats import GGUFWeight
 from tokenmill.parallel.layers import AllReduceLinear, VocabParallelEmbedding, VocabParallelLMHead
 from tokenmill.parallel.process_group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
-Weight = torch.Tensor | QuantizedWeight
+Weight = torch.Tensor | QuantizedWeight | GGUFWeight
 
 
 def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
@@ -57,17 +63,25 @@ def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 def _rows(w: Weight, start: int, end: int) -> Weight:
-    return w.row_slice(start, end) if isinstance(w, QuantizedWeight) else w[start:end].contiguous()
+    if isinstance(w, (QuantizedWeight, GGUFWeight)):
+        return w.row_slice(start, end)
+    return w[start:end].contiguous()
 
 
-def _columns(w: Weight, start: int, end: int) -> Weight:
-    if not isinstance(w, QuantizedWeight):
+def _columns(w: Weight, start: int, end: int, name: str = "", world_size: int = 1) -> Weight:
+    if not isinstance(w, (QuantizedWeight, GGUFWeight)):
         return w[:, start:end].contiguous()
-    if start % GROUP == 0 and end % GROUP == 0:
+    block = w.format.block_elems if isinstance(w, GGUFWeight) else GROUP
+    if start % block == 0 and end % block == 0:
         return w.column_slice(start, end)
-    # A shard boundary inside a quantization group: that group's scale belongs to both sides, so
-    # this shard can't stay packed. Dense fp32 keeps its values exact (fast mode requantizes it).
-    logger.warning("shard [%d, %d) splits groups of %d: dequantized to fp32", start, end, GROUP)
+    # A shard boundary inside a block: its scale belongs to both sides, so this shard can't stay
+    # packed. Dense fp32 keeps the file's values exact.
+    k = w.shape[1]
+    works = [n for n in range(1, k // block + 1) if k % n == 0 and (k // n) % block == 0]
+    kind = w.kind if isinstance(w, GGUFWeight) else f"groups of {GROUP}"
+    logger.warning("%s: tensor-parallel size %d cuts its %s blocks of %d weights (shard [%d, %d) of %d "
+                   "inputs), so this shard runs dequantized; sizes that keep its blocks whole: %s",
+                   name or "a weight", world_size, kind, block, start, end, k, ", ".join(map(str, works)))
     return w.dequantize(torch.float32)[:, start:end].contiguous()
 
 
@@ -110,10 +124,10 @@ class TensorParallelShard:
                 inter = w.shape[0] // n
                 out[name] = _rows(w, r * inter, (r + 1) * inter)
             elif name.endswith("o_proj.weight"):
-                out[name] = _columns(w, r * q, (r + 1) * q)
+                out[name] = _columns(w, r * q, (r + 1) * q, name, n)
             elif name.endswith(("down_proj.weight", ".w2.weight")):
                 inter = w.shape[1] // n
-                out[name] = _columns(w, r * inter, (r + 1) * inter)
+                out[name] = _columns(w, r * inter, (r + 1) * inter, name, n)
             elif name in ("model.embed_tokens.weight", "lm_head.weight"):
                 out[name] = _rows(w, v0, v1)
             else:  # norms, MoE routers and the shared expert's gate: every rank needs all of them

@@ -1,26 +1,47 @@
 """Chooses what each linear and embedding runs as, from its weights and the engine's precision.
 
-- exact: everything dense fp32 (quantized GGUF matrices dequantized with gguf's arithmetic), so
-  greedy output is token-identical to transformers.
-- fast: quantized weights stay quantized (QuantizedLinear); dense weights run as DenseLinear with a
-  bf16 copy for GEMMs of at least `bf16_min_rows` rows, or are quantized at load when `quantization`
-  is int8 / int4 (vLLM's flag, for Hugging Face checkpoints). quantization "none" dequantizes a GGUF's
-  quantized matrices as well (the dense fast path).
+- exact: everything dense fp32; GGUF matrices of every type dequantized with gguf-py's arithmetic
+  (quant_formats), so greedy output is token-identical to transformers on the same file.
+- fast: a GGUF matrix of a type the kernels read (`KERNEL_TYPES`) goes to them as the file's own
+  blocks, re-laid losslessly (no dequantize-and-quantize-again). A type without a kernel (IQ1/IQ2/
+  IQ3, TQ, MXFP4, ...) or a shape the kernel refuses becomes bf16 (an fp32 lm_head: its logits),
+  recorded in `LayerPolicy.fallbacks` so the builder can say so in one line. F16 / BF16 matrices
+  stay 16-bit; other dense weights run as DenseLinear with a bf16 copy for GEMMs of at least
+  `bf16_min_rows` rows, or are quantized at load when `quantization` is int8 / int4 (vLLM's flag,
+  for Hugging Face checkpoints). quantization "none" dequantizes a GGUF's matrices (dense fast path).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill.model import quant
 from tokenmill.model.layers.dense_linear import DenseLinear
 from tokenmill.model.layers.quantized_linear import NEVER_DENSE, QuantizedEmbedding, QuantizedLinear
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight, quantize_int4, quantize_int8
+from tokenmill.model.quant_formats import GGUFWeight
 
-Weight = torch.Tensor | QuantizedWeight
+Weight = torch.Tensor | GGUFWeight | QuantizedWeight | BlockedWeight
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+_PACKED = (QuantizedWeight, BlockedWeight)
+
+
+def kernel_types() -> frozenset[str]:
+    """GGUF types the kernels of this build read as they are."""
+    return frozenset(getattr(quant, "KERNEL_TYPES", quant.NATIVE_GGUF_TYPES))
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A GGUF matrix fast mode could not give a kernel: what it became and what that costs."""
+
+    kind: str
+    file_bytes: int
+    resident_bytes: int
+    reason: str  # "no kernel" or the kernel's refusal
 
 
 @dataclass(frozen=True)
@@ -28,60 +49,101 @@ class LayerPolicy:
     precision: str = "exact"  # "exact" | "fast"
     quantization: str = "auto"  # see QUANTIZATIONS
     bf16_min_rows: int = 4
+    fallbacks: list[Fallback] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def keeps_quantized(self) -> bool:
         return self.precision == "fast" and self.quantization != "none"
 
-    def prepare(self, w: Weight) -> Weight:
-        """The weight in the form this policy runs it: fp32 tensor or QuantizedWeight."""
+    def prepare(self, w: Weight, lm_head: bool = False) -> Weight:
+        """The weight in the form this policy runs it: a dense tensor or a packed weight."""
+        if isinstance(w, BlockedWeight):
+            return w
+        if isinstance(w, GGUFWeight):
+            out = self._prepare_gguf(w, lm_head)
+            w.release()  # converted: its file pages may leave this process
+            return out
         if isinstance(w, QuantizedWeight):
             return w if self.keeps_quantized else w.dequantize(torch.float32)
+        if w.dtype != torch.float32 and (self.precision == "exact" or self.quantization == "none"):
+            return w.float()  # 16-bit GGUF matrices: exact values in fp32
         if self.precision == "fast" and self.quantization == "int8":
-            return quantize_int8(w)
+            return quantize_int8(w.float())
         if self.precision == "fast" and self.quantization == "int4":
-            return quantize_int4(w)
+            return quantize_int4(w.float())
         return w
 
+    def _prepare_gguf(self, w: GGUFWeight, lm_head: bool) -> Weight:
+        if not self.keeps_quantized:
+            return w.dequantize(torch.float32)
+        reason = "no kernel"
+        if w.kind in kernel_types():
+            try:
+                return _kernel_form(w)
+            except ValueError as e:  # a shape the kernel's layout cannot take: the message says why
+                reason = str(e)
+        # The lm_head stays fp32: its bf16 logits would tie the top tokens (see make_linear).
+        dense = w.dequantize(torch.float32 if lm_head else torch.bfloat16)
+        self.fallbacks.append(Fallback(w.kind, w.nbytes, dense.nbytes, reason))
+        return dense
 
-# GGUF types dequantized at load (no native kernel) and what fast mode re-quantizes them to: 4-bit
-# and smaller ones to int4 (0.625 bytes a weight, within 1.3x of Q4_K's 0.5625), the rest to int8.
-_INT4_SOURCES = ("Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS")
-_UNQUANTIZED = ("F32", "F16", "BF16", "F64")
+
+def _kernel_form(w: GGUFWeight) -> QuantizedWeight | BlockedWeight:
+    to_blocked_gguf = getattr(quant, "to_blocked_gguf", None)
+    if to_blocked_gguf is None:  # kernels that predate issue 22: Q4_0 / Q4_1 / Q8_0 in the row layout
+        return quant.from_gguf_blocks(w.kind, w.raw, w.shape)
+    return to_blocked_gguf(w.kind, w.blocks(), w.shape)
 
 
-def requantize_for_fast_path(weights: dict, gguf_types: dict[str, str], policy: LayerPolicy) -> dict:
-    """A copy of `weights` in which matrices of a quantized GGUF type that was dequantized at load
-    (K-quants, Q5_x, ...) are quantized again into the packed format, so fast mode keeps a K-quant
-    file near its size too. The exact path keeps the fp32 values."""
-    if not policy.keeps_quantized or not gguf_types:
-        return weights
-    out = dict(weights)
-    for name, kind in gguf_types.items():
-        w = weights[name]
-        if kind in _UNQUANTIZED or isinstance(w, QuantizedWeight) or w.dim() != 2 or w.shape[1] % 32:
-            continue
-        qw = quantize_int4(w) if kind in _INT4_SOURCES else quantize_int8(w)
-        out[name] = QuantizedWeight(qw.codes, qw.scales, qw.mins, qw.bits, f"{kind}->{qw.kind}")
-    return out
+def describe_fallbacks(fallbacks: list[Fallback]) -> str | None:
+    """One line for the log naming every type that runs dequantized and the memory it costs."""
+    if not fallbacks:
+        return None
+    by_kind: dict[str, list[Fallback]] = {}
+    for f in fallbacks:
+        by_kind.setdefault(f.kind, []).append(f)
+    parts = []
+    for kind, items in sorted(by_kind.items()):
+        reasons = sorted({f.reason for f in items})
+        parts.append(f"{kind} ({len(items)} matrices, {'; '.join(reasons)})")
+    extra = sum(f.resident_bytes - f.file_bytes for f in fallbacks) / 1e6
+    file_mb = sum(f.file_bytes for f in fallbacks) / 1e6
+    return (f"GGUF matrices without a CPU kernel run dequantized to bf16: {', '.join(parts)}; "
+            f"{file_mb:.1f} MB in the file take {file_mb + extra:.1f} MB (+{extra:.1f} MB) and decode slower")
+
+
+def _stack_gguf(parts: list[Weight]) -> list[Weight]:
+    """q/k/v (gate/up) of one GGUF type stacked into one weight (one kernel call); a mix of types
+    (Q4_K_M's Q6_K v beside Q4_K q/k) stays apart."""
+    same = len(parts) > 1 and all(isinstance(p, GGUFWeight) for p in parts)
+    if not same or len({(p.kind, p.shape[1]) for p in parts}) > 1:
+        return parts
+    stacked = GGUFWeight.cat(parts)
+    for p in parts:
+        p.release()
+    return [stacked]
 
 
 def make_linear(parts: list[Weight], bias: torch.Tensor | None, policy: LayerPolicy, lm_head: bool = False):
     """One linear over the rows of `parts` stacked (fused q/k/v, gate/up)."""
-    prepared = [policy.prepare(p) for p in parts]
-    if all(isinstance(p, QuantizedWeight) for p in prepared):
+    prepared = [policy.prepare(p, lm_head) for p in _stack_gguf(parts)]
+    if all(isinstance(p, _PACKED) for p in prepared):
         if lm_head:
             # Logits stay fp32 end to end: a bf16 GEMM's output has steps of 0.0625 around a logit of
             # 10, so the top two tokens tie at ~5% of positions (measured: top-1 agreement with the
             # exact path 97.3% with bf16 logits, 99%+ without). The packed kernel accumulates and
             # returns fp32 at every row count.
             return QuantizedLinear(prepared[0], bias, dense_min_rows=NEVER_DENSE)
-        try:
-            return QuantizedLinear(QuantizedWeight.cat(prepared) if len(prepared) > 1 else prepared[0], bias)
-        except ValueError:  # parts of different formats (a GGUF mixing types): keep them apart
-            return ConcatLinear([QuantizedLinear(p, None) for p in prepared], bias)
-    dense = [p.dequantize(torch.float32) if isinstance(p, QuantizedWeight) else p for p in prepared]
-    weight = torch.cat(dense) if len(dense) > 1 else dense[0]
+        if len(prepared) == 1:
+            return QuantizedLinear(prepared[0], bias)
+        if all(isinstance(p, QuantizedWeight) for p in prepared):
+            try:
+                return QuantizedLinear(QuantizedWeight.cat(prepared), bias)
+            except ValueError:  # parts of different formats (a GGUF mixing types): keep them apart
+                pass
+    if any(isinstance(p, _PACKED) for p in prepared) or len({p.dtype for p in prepared}) > 1:
+        return ConcatLinear([_single(p, policy) for p in prepared], bias)
+    weight = torch.cat(prepared) if len(prepared) > 1 else prepared[0]
     if policy.precision == "exact":
         return DenseLinear(weight, bias, None)
     # A dense lm_head stays fp32 (bf16 GEMMs round the logits to bf16: ties, see above); quantize it
@@ -89,15 +151,21 @@ def make_linear(parts: list[Weight], bias: torch.Tensor | None, policy: LayerPol
     return DenseLinear(weight, bias, None if lm_head else policy.bf16_min_rows)
 
 
+def _single(w: Weight, policy: LayerPolicy):
+    if isinstance(w, _PACKED):
+        return QuantizedLinear(w, None)
+    return DenseLinear(w, None, None if policy.precision == "exact" else policy.bf16_min_rows)
+
+
 class ConcatLinear:
     """Several linears over the same input, outputs side by side."""
 
-    def __init__(self, parts: list[QuantizedLinear], bias: torch.Tensor | None) -> None:
+    def __init__(self, parts: list, bias: torch.Tensor | None) -> None:
         self.parts = parts
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.cat([p(x) for p in self.parts], dim=-1)
+        out = torch.cat([p(x).float() for p in self.parts], dim=-1)
         return out if self.bias is None else out.add_(self.bias)
 
     def describe(self) -> str:
@@ -106,14 +174,14 @@ class ConcatLinear:
 
 class DenseEmbedding:
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
+        self.weight = weight  # fp32, or 16-bit in fast mode (F16 / BF16 files, types without a kernel)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        return F.embedding(ids, self.weight).float()
 
 
-def make_embedding(weight: Weight | BlockedWeight, policy: LayerPolicy):
-    prepared = weight if isinstance(weight, BlockedWeight) else policy.prepare(weight)
-    if isinstance(prepared, (QuantizedWeight, BlockedWeight)):
+def make_embedding(weight: Weight, policy: LayerPolicy):
+    prepared = policy.prepare(weight)
+    if isinstance(prepared, _PACKED):
         return QuantizedEmbedding(prepared)
     return DenseEmbedding(prepared)
