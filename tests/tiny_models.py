@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -200,14 +201,18 @@ def _random_k_quant_blocks(kind: str, shape: tuple[int, int]) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * size)
 
 
-def write_tiny_gguf(folder: Path, out: Path, quant: str | None = None) -> Path:
+def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | None] | None = None) -> Path:
     """Convert a tiny HF folder to GGUF like llama.cpp does (q/k permutation for llama, rope_freqs for llama3).
 
     Embeddings go in as F16 (exercising a non-F32 path), everything else as F32; with `quant`
     ("Q4_0", "Q4_1", "Q8_0"; "Q4_K" and "Q6_K" as random blocks) every matrix, the embedding
-    included, is stored in that type instead.
+    included, is stored in that type instead. `quant` may also map each matrix's HF name to its type
+    (a llama-quantize-like mix): types gguf-py cannot quantize get random blocks (tests/gguf_blocks.py)
+    with the weights' spread, and "F16" / "BF16" / "F32" keep the values.
     """
     import gguf
+
+    from tests.gguf_blocks import QUANTIZABLE, random_blocks
 
     model = reference_model(folder)
     c = model.config
@@ -234,12 +239,16 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | None = None) -> Path:
         w = tensor.numpy()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             w = _llamacpp_permute(w, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
-        if quant is not None and w.ndim == 2:
-            qtype = gguf.GGMLQuantizationType[quant]
-            if quant in _RANDOM_K_QUANTS:
-                data = _random_k_quant_blocks(quant, w.shape)
-            else:
+        kind = quant(name) if callable(quant) else quant
+        if kind is not None and w.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[kind]
+            if kind in _RANDOM_K_QUANTS and not callable(quant):
+                data = _random_k_quant_blocks(kind, w.shape)
+            elif kind in QUANTIZABLE or kind in ("F32", "F16", "BF16"):
                 data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
+            else:
+                seed = sum(map(ord, name))
+                data = random_blocks(kind, *w.shape, seed=seed, std=float(w.std()))
             writer.add_tensor(_gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
             continue
         w = w.astype(np.float16) if name == "model.embed_tokens.weight" else w.astype(np.float32)

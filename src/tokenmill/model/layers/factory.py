@@ -108,7 +108,7 @@ def describe_fallbacks(fallbacks: list[Fallback]) -> str | None:
         parts.append(f"{kind} ({len(items)} matrices, {'; '.join(reasons)})")
     extra = sum(f.resident_bytes - f.file_bytes for f in fallbacks) / 1e6
     file_mb = sum(f.file_bytes for f in fallbacks) / 1e6
-    return (f"GGUF matrices without a CPU kernel run dequantized to bf16: {', '.join(parts)}; "
+    return (f"GGUF matrices without a CPU kernel run dequantized (bf16, an lm_head fp32): {', '.join(parts)}; "
             f"{file_mb:.1f} MB in the file take {file_mb + extra:.1f} MB (+{extra:.1f} MB) and decode slower")
 
 
