@@ -72,3 +72,35 @@ def test_serve_refuses_parallel_settings_that_cannot_work(capsys):
     assert main(["serve", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "2",
                  "--master-port", "1234"]) == 2
     assert "node_rank must be in [0, 2)" in capsys.readouterr().err
+
+
+def test_gguf_blocks_are_sliced_whole_and_a_cut_block_falls_back_to_exact_values(tmp_path, caplog):
+    from tests.tiny_models import write_tiny_gguf
+    from tokenmill.model.quant_formats import GGUFWeight
+
+    folder = make_tiny_model(tmp_path, "llama", tokenizer=False, hidden_size=256, intermediate_size=512,
+                             vocab_size=512, num_key_value_heads=4)
+    mix = {"down_proj": "Q4_K", "o_proj": "Q5_0"}
+    path = write_tiny_gguf(folder, tmp_path / "k.gguf",
+                           quant=lambda name: next((k for p, k in mix.items() if p in name), "Q6_K"))
+    loaded = load_weights(str(path))
+    mc, weights = loaded.config, loaded.weights
+    layer = "model.layers.0."
+    down, o_proj, gate = (weights[layer + n] for n in ("mlp.down_proj.weight", "self_attn.o_proj.weight",
+                                                         "mlp.gate_proj.weight"))
+    # 2 ranks: down's 512 inputs split at 256 (one Q4_K block each side), gate's rows whole.
+    shards = [TensorParallelShard(_Group(r, 2)).shard_weights(mc, weights) for r in range(2)]
+    parts = [s[layer + "mlp.down_proj.weight"] for s in shards]
+    assert all(isinstance(p, GGUFWeight) and p.kind == "Q4_K" for p in parts)
+    assert torch.equal(torch.cat([p.dequantize() for p in parts], dim=1), down.dequantize())
+    assert torch.equal(torch.cat([s[layer + "mlp.gate_proj.weight"].dequantize() for s in shards]), gate.dequantize())
+    assert torch.equal(torch.cat([s[layer + "self_attn.o_proj.weight"].dequantize() for s in shards], dim=1),
+                       o_proj.dequantize())
+    # 4 ranks would cut each Q4_K block of down in two: that shard holds the exact values instead, and
+    # the log names the sizes that keep the blocks whole; o_proj's Q5_0 blocks of 32 stay whole.
+    with caplog.at_level("WARNING", logger="tokenmill.parallel.sharding"):
+        shard = TensorParallelShard(_Group(1, 4)).shard_weights(mc, weights)
+    assert torch.equal(shard[layer + "mlp.down_proj.weight"], down.dequantize()[:, 128:256])
+    assert isinstance(shard[layer + "self_attn.o_proj.weight"], GGUFWeight)
+    assert any("tensor-parallel size 4 cuts its Q4_K blocks of 256" in r.getMessage()
+               and "whole: 1, 2" in r.getMessage() for r in caplog.records)
