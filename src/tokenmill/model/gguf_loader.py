@@ -18,11 +18,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.gguf_file import GGUFFile, read_gguf
 from tokenmill.model.quant_formats import GGUFWeight, format_of
 
 GGUF_MAGIC = b"GGUF"
@@ -60,7 +61,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str]
     """Config, weights, and the GGUF type name of every weight ("Q4_K", "F32", ...)."""
     _check_magic(path)
     try:
-        reader = GGUFReader(path)
+        reader = read_gguf(path)
     except Exception as e:  # the reader fails in many ways (struct, memmap, index) on a bad file
         raise ModelLoadError(path, f"corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
     arch = _meta(reader, "general.architecture")
@@ -72,12 +73,10 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str]
     types: dict[str, str] = {}
     rope_freqs = None
     for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        # GGUF lists dims fastest-first; torch wants them slowest-first.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        kind, shape = tensor.kind, tensor.shape
         try:
             if tensor.name == _ROPE_FREQS:
-                rope_freqs = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+                rope_freqs = dequantize(tensor.data, GGMLQuantizationType[kind]).reshape(shape)
                 continue
             name = _hf_name(tensor.name, path)
             w = _read(tensor.data, kind, shape)
@@ -136,7 +135,7 @@ def read_gguf_config(path: str) -> ModelConfig:
     """The hyper-parameters alone, no tensor read (llama3 RoPE scaling, derived from a tensor, is
     left out): for checks made before the weights are loaded."""
     _check_magic(path)
-    reader = GGUFReader(path)
+    reader = read_gguf(path)
     return _config(reader, path, _meta(reader, "general.architecture"))
 
 
@@ -150,9 +149,8 @@ def _check_magic(path: str) -> None:
         raise ModelLoadError(path, f"not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
 
 
-def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _meta(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
 def _hf_name(gguf_name: str, path: str) -> str:
@@ -171,7 +169,7 @@ def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _config(reader: GGUFReader, path: str, arch: str) -> ModelConfig:
+def _config(reader: GGUFFile, path: str, arch: str) -> ModelConfig:
     def need(key: str) -> Any:
         value = _meta(reader, f"{arch}.{key}")
         if value is None:
@@ -183,8 +181,7 @@ def _config(reader: GGUFReader, path: str, arch: str) -> ModelConfig:
     head_dim = _meta(reader, f"{arch}.attention.key_length") or _meta(reader, f"{arch}.rope.dimension_count")
     vocab = _meta(reader, f"{arch}.vocab_size")
     if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else None
+        vocab = _meta(reader, "tokenizer.ggml.tokens")  # the vocabulary's length (gguf_file.py)
     if vocab is None:
         raise ModelLoadError(path, f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     eos = [_meta(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
@@ -210,7 +207,7 @@ def _config(reader: GGUFReader, path: str, arch: str) -> ModelConfig:
     )
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     kind = _meta(reader, f"{arch}.rope.scaling.type")
     factor = _meta(reader, f"{arch}.rope.scaling.factor") or _meta(reader, f"{arch}.rope.scale_linear")
     if kind is None and factor:

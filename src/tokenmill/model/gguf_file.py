@@ -1,0 +1,108 @@
+"""The GGUF container itself: metadata and the tensor table, the tensor data left in the file's map.
+
+gguf-py's `GGUFReader` parses every metadata value into numpy parts, the vocabulary and merge table
+too (one small array per string: for a 49k vocabulary, +180 MB at its peak and seconds of time,
+part of it never returned to the OS). Loading needs none of those strings (the tokenizer reads them
+itself, model/tokenizer_files.py), so this reader walks over string arrays, keeping their length
+(the vocabulary size of files without `vocab_size`). Tensor data are views of one read-only memory
+map: nothing is read until a tensor is converted.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+_VERSIONS = (2, 3)
+_DEFAULT_ALIGNMENT = 32
+# metadata value types with a fixed width: (struct format, bytes)
+_SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
+            7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    kind: str  # GGUF type name ("Q4_K", "F32", ...)
+    shape: tuple[int, ...]  # torch order (slowest dimension first)
+    data: np.ndarray  # uint8 view of the file's map: the tensor's bytes
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    metadata: dict[str, Any]  # scalars, strings, numeric arrays as lists; string arrays as their length
+    tensors: list[GGUFTensor]
+
+
+def read_gguf(path: str) -> GGUFFile:
+    """ValueError (or struct.error) on a file that is not whole: a truncated header or tensor data."""
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    if bytes(blob[:4]) != b"GGUF":
+        raise ValueError("not a GGUF file")
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+    if version not in _VERSIONS:
+        raise ValueError(f"GGUF version {version} (this reader reads versions 2 and 3)")
+    pos = 24
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key, pos = _string(blob, pos)
+        (value_type,) = struct.unpack_from("<I", blob, pos)
+        metadata[key], pos = _value(blob, pos + 4, value_type)
+    table = []
+    for _ in range(tensor_count):
+        name, pos = _string(blob, pos)
+        (dims,) = struct.unpack_from("<I", blob, pos)
+        shape = struct.unpack_from(f"<{dims}Q", blob, pos + 4)
+        type_id, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
+        pos += 4 + 8 * dims + 12
+        table.append((name, tuple(int(d) for d in reversed(shape)), GGMLQuantizationType(type_id), offset))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    start = -(-pos // alignment) * alignment
+    tensors = []
+    for name, shape, qtype, offset in table:
+        elems, size = GGML_QUANT_SIZES[qtype]
+        nbytes = prod(shape) // elems * size
+        begin = start + offset
+        if begin + nbytes > len(blob):
+            raise ValueError(f"tensor {name!r} ends at byte {begin + nbytes}, past the file's end ({len(blob)})")
+        tensors.append(GGUFTensor(name, qtype.name, shape, blob[begin : begin + nbytes]))
+    return GGUFFile(metadata, tensors)
+
+
+def _string(blob: np.ndarray, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", blob, pos)
+    end = pos + 8 + length
+    if end > len(blob):
+        raise ValueError("a string runs past the file's end")
+    return bytes(blob[pos + 8 : end]).decode("utf-8"), end
+
+
+def _value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
+    if value_type in _SCALARS:
+        fmt, width = _SCALARS[value_type]
+        return struct.unpack_from(fmt, blob, pos)[0], pos + width
+    if value_type == _STRING:
+        return _string(blob, pos)
+    if value_type != _ARRAY:
+        raise ValueError(f"metadata value of unknown type {value_type}")
+    element_type, count = struct.unpack_from("<IQ", blob, pos)
+    pos += 12
+    if element_type in _SCALARS:
+        fmt, width = _SCALARS[element_type]
+        return list(struct.unpack_from(f"<{count}{fmt[1]}", blob, pos)), pos + count * width
+    if element_type == _STRING:  # vocabulary, merges: walked over, only the length kept
+        for _ in range(count):
+            (length,) = struct.unpack_from("<Q", blob, pos)
+            pos += 8 + length
+        return count, pos
+    values = []  # arrays of arrays: rare, small
+    for _ in range(count):
+        value, pos = _value(blob, pos, element_type)
+        values.append(value)
+    return values, pos
