@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model import quant
+from tokenmill.model.kernels import quant_kernel
 from tokenmill.model.layers.dense_linear import DenseLinear
 from tokenmill.model.layers.quantized_linear import NEVER_DENSE, QuantizedEmbedding, QuantizedLinear
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight, quantize_int4, quantize_int8
@@ -30,8 +31,11 @@ _PACKED = (QuantizedWeight, BlockedWeight)
 
 
 def kernel_types() -> frozenset[str]:
-    """GGUF types the kernels of this build read as they are."""
-    return frozenset(getattr(quant, "KERNEL_TYPES", quant.NATIVE_GGUF_TYPES))
+    """GGUF types the kernels read as they are on this CPU: all of KERNEL_TYPES with AVX512-VNNI,
+    else the row-layout kernel's Q4_0 / Q4_1 / Q8_0."""
+    if quant_kernel.vnni_available():
+        return frozenset(quant.KERNEL_TYPES)
+    return frozenset(quant.NATIVE_GGUF_TYPES)
 
 
 @dataclass(frozen=True)
@@ -89,10 +93,9 @@ class LayerPolicy:
 
 
 def _kernel_form(w: GGUFWeight) -> QuantizedWeight | BlockedWeight:
-    to_blocked_gguf = getattr(quant, "to_blocked_gguf", None)
-    if to_blocked_gguf is None:  # kernels that predate issue 22: Q4_0 / Q4_1 / Q8_0 in the row layout
-        return quant.from_gguf_blocks(w.kind, w.raw, w.shape)
-    return to_blocked_gguf(w.kind, w.blocks(), w.shape)
+    if quant_kernel.vnni_available():  # converted from the mapped bytes, in row chunks
+        return quant.to_blocked_gguf(w.kind, w.raw, w.shape)
+    return quant.from_gguf_blocks(w.kind, w.raw, w.shape)  # the row-layout kernel
 
 
 def describe_fallbacks(fallbacks: list[Fallback]) -> str | None:
