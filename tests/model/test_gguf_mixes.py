@@ -120,9 +120,9 @@ def test_fast_mode_runs_each_matrix_as_its_kernel_or_bf16(mix_file, caplog):
 def test_fast_mode_agrees_with_exact(mix_file):
     # Fast mode differs from exact only by rounding: activations as two int8 terms (~15 bits) in the
     # kernels, bf16 for matrices without one, for 192+-row GEMMs and in the KV cache. On these random
-    # tiny models a logit moves by at most a few percent of the largest one (measured 0.2-1 % on the kernels, 2 %
-    # with bf16 fallbacks), so the top-1 token may change only where exact's top two are closer
-    # than twice the largest error: elsewhere it must agree, and overall at least 90 % of 40
+    # tiny models a logit moves by at most a few percent of the largest one (measured: 0.2-1 % on the
+    # kernels, 2 % with bf16 fallbacks), so the top-1 token may change only where exact's top two are
+    # closer than twice the largest error: elsewhere it must agree, and overall at least 90 % of 40
     # teacher-forced positions (measured: all of them, every mix).
     _, _, path = mix_file
     ids = [int(i) for i in torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(1))]
