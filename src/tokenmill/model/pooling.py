@@ -52,14 +52,14 @@ def _sentence_transformers_pooling(folder: str) -> str | None:
 
 
 def _gguf_pooling(path: str) -> str | None:
-    from gguf import GGUFReader
+    # gguf_file's reader, not gguf-py's GGUFReader: that one parses the whole vocabulary (+180 MB
+    # at its peak for SmolLM2's 49k tokens, seconds of time), on every engine start.
+    from tokenmill.model.gguf_file import read_gguf
 
-    reader = GGUFReader(path)
-    arch = reader.fields.get("general.architecture")
-    if arch is None:
-        return None
-    field = reader.fields.get(f"{arch.contents()}.pooling_type")
-    return None if field is None else _GGUF_POOLING.get(int(field.contents()))
+    metadata = read_gguf(path).metadata
+    arch = metadata.get("general.architecture")
+    value = None if arch is None else metadata.get(f"{arch}.pooling_type")
+    return None if value is None else _GGUF_POOLING.get(int(value))
 
 
 def chunk_pool(rows: torch.Tensor, pooling_type: str) -> torch.Tensor:
