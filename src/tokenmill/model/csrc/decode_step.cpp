@@ -72,7 +72,7 @@ struct DecodeStack : torch::CustomClassHolder {
   const float* final_norm = nullptr;
   int64_t hidden = 0, inter = 0, nq = 0, nkv = 0, hd = 0, num_slots = 0;
   double eps = 0, scale = 0;
-  bool bf16_cache = false;
+  tm_kv::CacheFormat cache_format = tm_kv::kCacheF32;
 
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<int64_t> parts,
               std::vector<at::Tensor> k_caches,
@@ -98,8 +98,7 @@ struct DecodeStack : torch::CustomClassHolder {
     keep.push_back(final_norm_in);
     final_norm = final_norm_in.data_ptr<float>();
     const at::Tensor& c0 = k_caches[0];
-    bf16_cache = c0.scalar_type() == at::kBFloat16;
-    TORCH_CHECK(bf16_cache || c0.scalar_type() == at::kFloat, "the KV cache must be float32 or bfloat16");
+    cache_format = tm_kv::cache_format(c0.scalar_type());
     num_slots = c0.size(1);
     const int64_t qkv_n = (nq + 2 * nkv) * hd;
     const at::Tensor* t = tensors.data();
@@ -111,8 +110,8 @@ struct DecodeStack : torch::CustomClassHolder {
                     "layer ", i, ": norm weights must be contiguous float32 [hidden]");
       for (const at::Tensor* c : {&k_caches[i], &v_caches[i]})
         TORCH_CHECK(c->is_contiguous() && c->dim() == 3 && c->size(0) == nkv && c->size(1) == num_slots &&
-                        c->size(2) == hd && c->scalar_type() == c0.scalar_type(),
-                    "layer ", i, ": caches must be contiguous [num_kv_heads, slots, head_dim] of one dtype");
+                        c->size(2) == tm_kv::row_width(cache_format, hd) && c->scalar_type() == c0.scalar_type(),
+                    "layer ", i, ": caches must be contiguous [num_kv_heads, slots, row] of one format");
       const at::Tensor* norms = t;
       t += kNormsPerLayer;
       // The parts of the next linear, each part's N read off its codes (N x K x bits / 8 bytes).
@@ -199,23 +198,14 @@ struct DecodeStack : torch::CustomClassHolder {
     const tm_vnni::Acts a_attn = tm_vnni::make_acts(acts_base, T, nq * hd, kTerms);
     const tm_vnni::Acts a_inter = tm_vnni::make_acts(acts_base, T, inter, kTerms);
 
-    tm_attention::Args args{};
-    args.q = q;
-    args.head_stride = num_slots * hd;
-    args.slot_stride = hd;
-    args.table = table.data_ptr<int64_t>();
-    args.lens = lens.data_ptr<int64_t>();
-    args.max_pages = table.size(1);
-    args.page_size = page_size;
-    args.num_heads = nq;
-    args.kv_heads = nkv;
-    args.group = group;
-    args.hd = hd;
-    args.scale = static_cast<float>(scale);
-    args.out = attn;
-    args.items = plan.items.data();
-    args.partial = partial;
-    const tm_attention::RangeFn attend = tm_attention::pick(isa, bf16_cache);
+    const int64_t row_elems = tm_kv::row_width(cache_format, hd);
+    const tm_attention::Args args =
+        tm_attention::make_args(plan, q, attn, partial, table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                table.size(1), page_size, nq, nkv, hd, static_cast<float>(scale),
+                                num_slots * row_elems, row_elems);
+    // The AVX-512 variant only (the constructor checked for it): the others are then never compiled
+    // into this library, which keeps its build short.
+    const tm_attention::RangeFn attend = tm_attention::avx512_fns[cache_format];
     const int64_t num_items = plan.num_items();
     const float e = static_cast<float>(eps);
     const int64_t L = static_cast<int64_t>(layers.size());
@@ -239,14 +229,9 @@ struct DecodeStack : torch::CustomClassHolder {
           for (int64_t j = 0; j < nkv; ++j) {
             const float* ks = k + (t * nkv + j) * hd;
             const float* vs = qkv + t * qkv_n + (nq + nkv + j) * hd;
-            const int64_t at = (j * num_slots + sp[t]) * hd;
-            if (bf16_cache) {
-              tm_fused::convert_avx512(ks, static_cast<uint16_t*>(l.k_cache) + at, hd);
-              tm_fused::convert_avx512(vs, static_cast<uint16_t*>(l.v_cache) + at, hd);
-            } else {
-              std::memcpy(static_cast<float*>(l.k_cache) + at, ks, hd * sizeof(float));
-              std::memcpy(static_cast<float*>(l.v_cache) + at, vs, hd * sizeof(float));
-            }
+            const int64_t row = j * num_slots + sp[t];
+            tm_fused::store_cache_row(true, cache_format, ks, l.k_cache, row, hd);
+            tm_fused::store_cache_row(true, cache_format, vs, l.v_cache, row, hd);
           }
         }
 #pragma omp barrier

@@ -58,21 +58,15 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
   return {q, k};
 }
 
-template <typename In, typename Cache>
-void store_row(bool wide, const In* src, Cache* dst, int64_t n) {
-  if (wide) convert_avx512(src, dst, n);
-  else convert_base(src, dst, n);
-}
-
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t nq, int64_t nkv,
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots_in) {
   auto [q, k] = rope_qk(qkv, cos, sin, nq, nkv);
   const int64_t T = qkv.size(0), d = q.size(2);
-  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || bf16) && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == nkv &&
-                  k_cache.size(2) == d && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be contiguous float32 or bfloat16 [num_kv_heads, slots, head_dim]");
+  const tm_kv::CacheFormat format = tm_kv::cache_format(k_cache.scalar_type());
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && k_cache.dim() == 3 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == nkv &&
+                  k_cache.size(2) == tm_kv::row_width(format, d) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [num_kv_heads, slots, row] of one format (fp32, bf16 or int8 rows)");
   TORCH_CHECK(qkv.size(1) >= (nq + 2 * nkv) * d, "qkv has fewer columns than q, k and v need");
   const at::Tensor slots = slots_in.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == T, "one slot per token");
@@ -82,17 +76,16 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const bool wide = use_avx512();
   const float* kp = k.data_ptr<float>();
   const int64_t stride = qkv.stride(0);
+  void* kc = k_cache.data_ptr();
+  void* vc = v_cache.data_ptr();
   with_input(qkv, qkv.scalar_type() == at::kBFloat16, [&](const auto* src) {
-    with_output(k_cache, bf16, [&](auto* kc) {
-      auto* vc = reinterpret_cast<decltype(kc)>(v_cache.data_ptr());
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t h = 0; h < nkv; ++h) {
-          const int64_t at = (h * num_slots + sp[t]) * d;
-          store_row(wide, kp + (t * nkv + h) * d, kc + at, d);
-          store_row(wide, src + t * stride + (nq + nkv + h) * d, vc + at, d);
-        }
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < nkv; ++h) {
+        const int64_t row = h * num_slots + sp[t];
+        store_cache_row(wide, format, kp + (t * nkv + h) * d, kc, row, d);
+        store_cache_row(wide, format, src + t * stride + (nq + nkv + h) * d, vc, row, d);
       }
-    });
+    }
   });
   return q;
 }

@@ -6,7 +6,8 @@
 //   rope_qk(qkv, cos, sin, nq, nkv) -> (q, k): RoPE (HF's rotate_half form) on the q and k heads of
 //       a fused q/k/v projection, written to contiguous [T, heads, head_dim] tensors.
 //   rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots) -> q: the same, but k (roped) and v
-//       go straight to their cache slots (fp32 caches [kv_heads, slots, head_dim]).
+//       go straight to their cache slots (caches [kv_heads, slots, row] of any format in
+//       kv_cache_format.h: fp32, bf16, or int8 rows quantized here).
 //   silu_mul(gate_up) -> silu(gate) * up, for gate_up = [gate | up] along the last dim.
 //   add_rms_norm_(x, delta, w, eps) -> x += delta (in place), then returns RMSNorm(x) * w.
 //
@@ -29,6 +30,7 @@
 #include <tuple>
 
 #include "exp_approx.h"
+#include "kv_cache_format.h"
 
 namespace tm_fused {
 namespace {
@@ -52,6 +54,10 @@ TF_INLINE float load(const float* p, int64_t i) { return p[i]; }
 TF_INLINE float load(const uint16_t* p, int64_t i) { return std::bit_cast<float>(static_cast<uint32_t>(p[i]) << 16); }
 TF_INLINE void put(float* p, int64_t i, float v) { p[i] = v; }
 TF_INLINE void put(uint16_t* p, int64_t i, float v) { p[i] = to_bf16(v); }
+
+// Adding then subtracting 1.5 * 2^23 rounds a float of magnitude < 2^22 to an integer, ties to even
+// (as torch.round), branch-free.
+constexpr float kRoundShifter = 12582912.0f;
 
 #define TF_DEFINE_VARIANT(SUFFIX, ATTR)                                                              \
   template <typename In>                                                                             \
@@ -107,6 +113,22 @@ TF_INLINE void put(uint16_t* p, int64_t i, float v) { p[i] = to_bf16(v); }
   template <typename In, typename Out>                                                               \
   ATTR void convert_##SUFFIX(const In* src, Out* dst, int64_t n) {                                   \
     _Pragma("omp simd") for (int64_t i = 0; i < n; ++i) put(dst, i, load(src, i));                   \
+  }                                                                                                  \
+  /* an int8 cache row: scale = max|x| / 127 first, then the codes, rounded to nearest even */      \
+  template <typename In>                                                                             \
+  ATTR void quantize_row_##SUFFIX(const In* src, int8_t* row, int64_t n) {                           \
+    float amax = 0.f;                                                                                \
+    _Pragma("omp simd reduction(max : amax)") for (int64_t i = 0; i < n; ++i) {                      \
+      const float a = std::fabs(load(src, i));                                                       \
+      amax = a > amax ? a : amax;                                                                    \
+    }                                                                                                \
+    const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;                         \
+    std::memcpy(row, &scale, sizeof(scale));                                                         \
+    int8_t* codes = row + tm_kv::kInt8ScaleBytes;                                                    \
+    _Pragma("omp simd") for (int64_t i = 0; i < n; ++i) {                                            \
+      const float x = load(src, i) * inv;                                                            \
+      codes[i] = static_cast<int8_t>((x + kRoundShifter) - kRoundShifter);                           \
+    }                                                                                                \
   }
 
 TF_DEFINE_VARIANT(base, )
@@ -123,6 +145,28 @@ bool use_avx512() {
 #else
   return false;
 #endif
+}
+
+// One token's K or V for one KV head (n values) into row `row` of a cache in `format`.
+template <typename In>
+TF_INLINE void store_cache_row(bool wide, tm_kv::CacheFormat format, const In* src, void* cache, int64_t row,
+                               int64_t n) {
+  switch (format) {
+    case tm_kv::kCacheF32:
+      if (wide) convert_avx512(src, static_cast<float*>(cache) + row * n, n);
+      else convert_base(src, static_cast<float*>(cache) + row * n, n);
+      break;
+    case tm_kv::kCacheBf16:
+      if (wide) convert_avx512(src, static_cast<uint16_t*>(cache) + row * n, n);
+      else convert_base(src, static_cast<uint16_t*>(cache) + row * n, n);
+      break;
+    case tm_kv::kCacheInt8: {
+      int8_t* dst = static_cast<int8_t*>(cache) + row * tm_kv::row_width(format, n);
+      if (wide) quantize_row_avx512(src, dst, n);
+      else quantize_row_base(src, dst, n);
+      break;
+    }
+  }
 }
 
 }  // namespace

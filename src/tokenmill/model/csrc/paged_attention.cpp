@@ -5,6 +5,8 @@
 namespace {
 
 using namespace tm_attention;
+using tm_kv::cache_format;
+using tm_kv::row_width;
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table_in, const at::Tensor& seq_lens_in,
@@ -14,14 +16,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
               "k_cache and v_cache must have the same shape and strides");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must have the same dtype");
-  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || k_cache.scalar_type() == at::kFloat, "the KV cache must be float32 or bfloat16");
+  const CacheFormat format = cache_format(k_cache.scalar_type());
   TORCH_CHECK(k_cache.stride(2) == 1, "the KV cache's last dimension must be contiguous");
   TORCH_CHECK(!q_in.is_cuda() && !k_cache.is_cuda(), "CPU tensors only");
   TORCH_CHECK(page_size > 0, "page_size must be positive");
   const int64_t nd = q_in.size(0), num_heads = q_in.size(1), hd = q_in.size(2);
   const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == hd, "head_dim of q and the KV cache differ");
+  TORCH_CHECK(k_cache.size(2) == row_width(format, hd), "head_dim of q and the KV cache's rows differ");
   TORCH_CHECK(kv_heads > 0 && num_heads % kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(block_table_in.dim() == 2 && block_table_in.size(0) == nd, "block_table must be [nd, max_pages]");
   TORCH_CHECK(seq_lens_in.dim() == 1 && seq_lens_in.size(0) == nd, "seq_lens must be [nd]");
@@ -47,26 +48,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   at::Tensor out = at::empty({nd, num_heads, hd}, q.options());
   if (nd == 0 || num_heads == 0 || hd == 0) return out;
 
-  Args a{};
-  a.q = q.data_ptr<float>();
+  Args a = make_args(plan, q.data_ptr<float>(), out.data_ptr<float>(), partial.data(), table_ptr, lens_ptr, max_pages,
+                     page_size, num_heads, kv_heads, hd, static_cast<float>(scale), k_cache.stride(0),
+                     k_cache.stride(1));
   a.k = k_cache.data_ptr();
   a.v = v_cache.data_ptr();
-  a.head_stride = k_cache.stride(0);
-  a.slot_stride = k_cache.stride(1);
-  a.table = table_ptr;
-  a.lens = lens_ptr;
-  a.max_pages = max_pages;
-  a.page_size = page_size;
-  a.num_heads = num_heads;
-  a.kv_heads = kv_heads;
-  a.group = num_heads / kv_heads;
-  a.hd = hd;
-  a.scale = static_cast<float>(scale);
-  a.out = out.data_ptr<float>();
-  a.items = plan.items.data();
-  a.partial = partial.data();
 
-  const RangeFn fn = pick(chosen, bf16);
+  const RangeFn fn = pick(chosen, format);
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(plan.scores_size));
     std::vector<float> acc(static_cast<size_t>(group * hd));

@@ -9,52 +9,42 @@
 namespace tm_attention {
 namespace {
 
-// W: vector width in floats of the variant (16 for AVX-512, else 8).
-template <typename T, int W>
+// W: vector width in floats of the variant (16 for AVX-512, else 8); R: the cache reader.
+template <typename R, int W>
 TM_INLINE void attend_row(const Args& a, int64_t seq, int64_t kvh, float* scores, float* acc) {
   switch (a.hd) {
-    case 64:
-      if (!attend_grouped<T, 64, W>(a, seq, kvh, scores)) attend_one_vec<T, 64, W>(a, seq, kvh, scores);
-      break;
-    case 128:
-      if (!attend_grouped<T, 128, W>(a, seq, kvh, scores)) attend_one_vec<T, 128, W>(a, seq, kvh, scores);
-      break;
-    case 32:
-      attend_one_vec<T, 32, W>(a, seq, kvh, scores);
-      break;
-    case 16:
-      attend_one_vec<T, 16, W>(a, seq, kvh, scores);
-      break;
-      default:
-      attend_one_scalar<T>(a, seq, kvh, scores, acc);  // any other head_dim: plain loops
+    case 64: attend_one_vec<R, 64, W>(a, seq, kvh, scores); break;
+    case 128: attend_one_vec<R, 128, W>(a, seq, kvh, scores); break;
+    case 32: attend_one_vec<R, 32, W>(a, seq, kvh, scores); break;
+    case 16: attend_one_vec<R, 16, W>(a, seq, kvh, scores); break;
+    default: attend_one_scalar<R>(a, seq, kvh, scores, acc);  // any other head_dim: plain loops
   }
 }
 
-
-template <typename T, int W>
+template <typename R, int W>
 TM_INLINE void attend_range(const Args& a, int64_t begin, int64_t end, float* scores, float* acc) {
   for (int64_t i = begin; i < end; ++i) {
     const int64_t* item = a.items + i * kItemFields;
     const int64_t seq = item[0], rows = item[1], kvh = item[2], part = item[3], parts = item[4];
     if (rows == 1) {
-      attend_row<T, W>(a, seq, kvh, scores, acc);
+      attend_row<R, W>(a, seq, kvh, scores, acc);
       continue;
     }
     float* partial = parts > 1 ? a.partial + item[5] : nullptr;
-    if (a.hd == 64) attend_run_items<T, 64, W>(a, seq, rows, kvh, part, parts, partial, scores);
-    else attend_run_items<T, 128, W>(a, seq, rows, kvh, part, parts, partial, scores);
+    if (a.hd == 64) attend_run_items<R, 64, W>(a, seq, rows, kvh, part, parts, partial, scores);
+    else attend_run_items<R, 128, W>(a, seq, rows, kvh, part, parts, partial, scores);
   }
 }
 
 using RangeFn = void (*)(const Args&, int64_t, int64_t, float*, float*);
 
-#define TM_DEFINE_VARIANT(NAME, W, ATTR)                                                     \
-  ATTR void NAME##_f32(const Args& a, int64_t b, int64_t e, float* s, float* acc) {          \
-    attend_range<float, W>(a, b, e, s, acc);                                                 \
-  }                                                                                          \
-  ATTR void NAME##_bf16(const Args& a, int64_t b, int64_t e, float* s, float* acc) {         \
-    attend_range<uint16_t, W>(a, b, e, s, acc);                                              \
-  }
+// One entry per ISA variant: a table of attend_range per cache format (tm_kv::CacheFormat order).
+#define TM_DEFINE_VARIANT(NAME, W, ATTR)                                                              \
+  template <typename R>                                                                               \
+  ATTR void NAME##_range(const Args& a, int64_t b, int64_t e, float* s, float* acc) {                 \
+    attend_range<R, W>(a, b, e, s, acc);                                                              \
+  }                                                                                                   \
+  constexpr RangeFn NAME##_fns[] = {NAME##_range<F32Rows>, NAME##_range<Bf16Rows>, NAME##_range<Int8Rows>};
 
 TM_DEFINE_VARIANT(generic, 8, )
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -80,14 +70,13 @@ Isa selected_isa(int64_t requested) {
   return requested < 0 ? best : static_cast<Isa>(std::min<int64_t>(requested, best));
 }
 
-RangeFn pick(Isa isa, bool bf16) {
+RangeFn pick(Isa isa, CacheFormat format) {
 #ifdef TM_HAVE_X86_VARIANTS
-  if (isa == kAvx512) return bf16 ? avx512_bf16 : avx512_f32;
-  if (isa == kAvx2) return bf16 ? avx2_bf16 : avx2_f32;
+  if (isa == kAvx512) return avx512_fns[format];
+  if (isa == kAvx2) return avx2_fns[format];
 #endif
-  return bf16 ? generic_bf16 : generic_f32;
+  return generic_fns[format];
 }
-
 
 // The work of one decode-attention call: items (kItemFields each, see Args) and the scratch sizes.
 // It depends only on the block table and lengths, so a fused decode step plans once for all layers.
@@ -166,6 +155,29 @@ inline Plan make_plan(const int64_t* table_ptr, const int64_t* lens_ptr, int64_t
       }
   }
   return plan;
+}
+
+// The Args of one call over `plan` (the callers set k and v: one layer's caches at a time).
+inline Args make_args(const Plan& plan, const float* q, float* out, float* partial, const int64_t* table,
+                      const int64_t* lens, int64_t max_pages, int64_t page_size, int64_t num_heads, int64_t kv_heads,
+                      int64_t hd, float scale, int64_t head_stride, int64_t slot_stride) {
+  Args a{};
+  a.q = q;
+  a.out = out;
+  a.partial = partial;
+  a.items = plan.items.data();
+  a.table = table;
+  a.lens = lens;
+  a.max_pages = max_pages;
+  a.page_size = page_size;
+  a.num_heads = num_heads;
+  a.kv_heads = kv_heads;
+  a.group = num_heads / kv_heads;
+  a.hd = hd;
+  a.scale = scale;
+  a.head_stride = head_stride;
+  a.slot_stride = slot_stride;
+  return a;
 }
 
 // Merges split runs into `out`: sum_parts acc * exp(max - M) / sum_parts sum * exp(max - M).

@@ -2,8 +2,9 @@
 // Fused paged-attention decode for CPU: one query token per sequence, K/V read straight from the
 // page pool through the block table (no gather into padded tensors, no mask).
 //
-// Cache layout (see tokenmill/model/attention.py): k_cache, v_cache [num_kv_heads, num_slots, head_dim],
-// head-major, slot = page * page_size + offset; float32 or bfloat16 (read as bf16, computed in fp32).
+// Cache layout (see tokenmill/model/kv_cache_format.py): k_cache, v_cache [num_kv_heads, num_slots, row],
+// head-major, slot = page * page_size + offset; a row is one token's K or V for one KV head, in one of
+// the cache formats kv_cache_rows.h reads (fp32, bf16, int8 with a scale), always computed in fp32.
 // Query heads that share a KV head are adjacent (HF's repeat_kv order): query head h uses KV head
 // h / group.
 //
@@ -43,17 +44,12 @@ using tm_math::exp_nonpos;
 
 #define TM_INLINE inline __attribute__((always_inline))
 
-TM_INLINE float load_f(const float* p, int64_t i) { return p[i]; }
-TM_INLINE float load_f(const uint16_t* p, int64_t i) {  // bf16 -> fp32 is a 16-bit shift
-  return std::bit_cast<float>(static_cast<uint32_t>(p[i]) << 16);
-}
-
 struct Args {
   const float* q;  // [nd, num_heads, hd]
   const void* k;
   const void* v;
   int64_t head_stride;  // elements between KV heads in the caches
-  int64_t slot_stride;  // elements between slots
+  int64_t slot_stride;  // elements between slots (a row: head_dim values and the format's extras)
   const int64_t* table;  // [nd, max_pages]
   const int64_t* lens;  // [nd]
   int64_t max_pages;
@@ -90,68 +86,6 @@ TM_INLINE void softmax_rows(float* __restrict scores, int64_t group, int64_t len
   }
 }
 
-// One (sequence, KV head) item with plain loops, for any head_dim. `scores` holds
-// group * (len + 1) floats, `acc` group * head_dim.
-template <typename T>
-TM_INLINE void attend_one_scalar(const Args& a, int64_t seq, int64_t kvh, float* __restrict scores,
-                                 float* __restrict acc) {
-  const int64_t hd = a.hd;
-  const int64_t group = a.group;
-  const int64_t len = a.lens[seq];
-  const int64_t page_size = a.page_size;
-  const int64_t slot_stride = a.slot_stride;
-  const float scale = a.scale;
-  const float* __restrict q = a.q + (seq * a.num_heads + kvh * group) * hd;
-  float* __restrict out = a.out + (seq * a.num_heads + kvh * group) * hd;
-  if (len <= 0) {
-    std::fill(out, out + group * hd, 0.0f);
-    return;
-  }
-  const T* kbase = static_cast<const T*>(a.k) + kvh * a.head_stride;
-  const T* vbase = static_cast<const T*>(a.v) + kvh * a.head_stride;
-  const int64_t* pages = a.table + seq * a.max_pages;
-  const int64_t num_pages = (len + page_size - 1) / page_size;
-
-  for (int64_t p = 0; p < num_pages; ++p) {
-    const int64_t first = p * page_size;
-    const int64_t n = std::min(page_size, len - first);
-    const T* __restrict kpage = kbase + pages[p] * page_size * slot_stride;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* __restrict qg = q + g * hd;
-      float* __restrict sg = scores + g * len + first;
-      for (int64_t t = 0; t < n; ++t) {
-        const T* __restrict krow = kpage + t * slot_stride;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < hd; ++d) dot += qg[d] * load_f(krow, d);
-        sg[t] = dot * scale;
-      }
-    }
-  }
-  softmax_rows(scores, group, len);
-  std::fill(acc, acc + group * hd, 0.0f);
-  for (int64_t p = 0; p < num_pages; ++p) {
-    const int64_t first = p * page_size;
-    const int64_t n = std::min(page_size, len - first);
-    const T* __restrict vpage = vbase + pages[p] * page_size * slot_stride;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* __restrict wg = scores + g * len + first;
-      float* __restrict ag = acc + g * hd;
-      for (int64_t t = 0; t < n; ++t) {
-        const T* __restrict vrow = vpage + t * slot_stride;
-        const float w = wg[t];
-#pragma omp simd
-        for (int64_t d = 0; d < hd; ++d) ag[d] += w * load_f(vrow, d);
-      }
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = scores[group * len + g];
-#pragma omp simd
-    for (int64_t d = 0; d < hd; ++d) out[g * hd + d] = acc[g * hd + d] * inv;
-  }
-}
-
 // ---- Vector path: head_dim 16, 32, 64 or 128 ---------------------------------------------------
 // GCC vector extensions of W floats: W = 16 (one zmm) in the AVX-512 variant, W = 8 (one ymm, or two
 // xmm on baseline x86-64) in the others. The same source serves every variant.
@@ -164,6 +98,8 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int8_t v16c __attribute__((vector_size(16)));
+typedef int8_t v8c __attribute__((vector_size(8)));
 
 template <int W>
 struct VecT;
@@ -177,24 +113,20 @@ struct VecT<8> {
 };
 template <int W>
 using Vec = typename VecT<W>::type;
+template <int W>
+using VecI = std::conditional_t<W == 16, v16i, v8i>;
+
+// exp_nonpos on W lanes (the same polynomial as the scalar one).
+template <int W>
+TM_INLINE Vec<W> exp_nonpos_v(Vec<W> x) {
+  return tm_math::exp_nonpos_t<Vec<W>, VecI<W>>(x);
+}
 
 template <int W>
 TM_INLINE Vec<W> loadv(const float* p) {
   Vec<W> x;
   std::memcpy(&x, p, sizeof(x));
   return x;
-}
-template <int W>
-TM_INLINE Vec<W> loadv(const uint16_t* p) {  // bf16 -> fp32: widen and shift into the high half
-  if constexpr (W == 16) {
-    v16h h;
-    std::memcpy(&h, p, sizeof(h));
-    return reinterpret_cast<v16f>(__builtin_convertvector(h, v16u) << 16);
-  } else {
-    v8h h;
-    std::memcpy(&h, p, sizeof(h));
-    return reinterpret_cast<v8f>(__builtin_convertvector(h, v8u) << 16);
-  }
 }
 template <int W>
 TM_INLINE void storev(float* p, Vec<W> x) {

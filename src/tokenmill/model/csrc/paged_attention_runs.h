@@ -1,34 +1,12 @@
 #pragma once
 // Paged decode attention for a run of consecutive rows of one sequence (speculative decoding's
-// draft tokens, and fast mode's prompt chunks) as one work item per KV head.
+// draft tokens, and fast mode's prompt chunks) as one work item per KV head, over a cache reader
+// (kv_cache_rows.h).
 
-#include "paged_attention_common.h"
+#include "kv_cache_rows.h"
 
 namespace tm_attention {
 namespace {
-
-template <int W>
-TM_INLINE Vec<W> exp_nonpos_v(Vec<W> x) {
-  using V = Vec<W>;
-  using VI = std::conditional_t<W == 16, v16i, v8i>;
-  const V lowest = V{} - 87.0f;
-  x = x < lowest ? lowest : x;
-  const V shifter = V{} + 12582912.0f;
-  const V t = x * 1.44269504088896341f + shifter;
-  const V n = t - shifter;
-  const VI ni = reinterpret_cast<VI>(t) - reinterpret_cast<VI>(shifter);
-  V r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  const V z = r * r;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * z + r + 1.0f;
-  return p * reinterpret_cast<V>((ni + 127) << 23);
-}
 
 // A run of R consecutive rows of one sequence (speculative decoding sends its draft tokens as
 // decode rows): identical block tables and lengths len0, len0 + 1, ..., len0 + R - 1, so row r
@@ -42,7 +20,7 @@ TM_INLINE Vec<W> exp_nonpos_v(Vec<W> x) {
 // The kernel is bound by multiply-adds, which per-row items repeat for every row anyway; this
 // saves the per-row widening, loads and horizontal sums. Results match the per-row path's to
 // float rounding (the dot products are summed in another order).
-template <typename T, int HD, int W>
+template <typename Rd, int HD, int W>
 TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t kvh, int64_t part, int64_t parts,
                                 float* __restrict partial, float* __restrict scratch) {
   using V = Vec<W>;
@@ -57,8 +35,9 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   const int64_t page_size = a.page_size;
   const int64_t slot_stride = a.slot_stride;
   const float scale = a.scale;
-  const T* kbase = static_cast<const T*>(a.k) + kvh * a.head_stride;
-  const T* vbase = static_cast<const T*>(a.v) + kvh * a.head_stride;
+  using E = typename Rd::Elem;
+  const E* kbase = static_cast<const E*>(a.k) + kvh * a.head_stride;
+  const E* vbase = static_cast<const E*>(a.v) + kvh * a.head_stride;
   const int64_t* pages = a.table + (row0 + R - 1) * a.max_pages;
   const int64_t total_pages = (lmax + page_size - 1) / page_size;
   // This item's share of the pages: all of them, or part `part` of `parts` (see run_parts).
@@ -68,7 +47,7 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   const int64_t base = page0 * page_size;  // the first position this item covers
   const int64_t end = std::min(lmax, base + num_pages * page_size);
   const int64_t page_elems = page_size * slot_stride;
-  const int64_t page_bytes = ((page_size - 1) * slot_stride + HD) * static_cast<int64_t>(sizeof(T));
+  const int64_t page_bytes = page_span_bytes<Rd>(page_size, slot_stride, HD);
 
   float* __restrict st = scratch;  // [end - base][JP], row t - base for position t
   float* __restrict qt = st + lmax * JP;  // [HD][JP]
@@ -81,9 +60,11 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     for (int d = 0; d < HD; ++d) qt[d * JP + j] = j < J ? q[d] : 0.0f;
   }
 
-  auto widen = [&](const T* src, int64_t n) {
-    for (int64_t t = 0; t < n; ++t)
-      for (int c = 0; c < NC; ++c) storev<W>(kbuf + t * HD + W * c, loadv<W>(src + t * slot_stride + W * c));
+  auto widen = [&](const E* src, int64_t n) {  // the page's rows as fp32, [n][HD]
+    for (int64_t t = 0; t < n; ++t) {
+      const typename Rd::Row row = Rd::row(src + t * slot_stride);
+      for (int c = 0; c < NC; ++c) storev<W>(kbuf + t * HD + W * c, Rd::template lanes<W>(row, W * c));
+    }
   };
 
   for (int64_t p = 0; p < std::min(kPrefetchPages, num_pages); ++p) prefetch_page(kbase + pages[p] * page_elems, page_bytes);
