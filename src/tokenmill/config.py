@@ -9,6 +9,8 @@ from tokenmill.errors import InvalidRequest
 from tokenmill.model.layers.factory import QUANTIZATIONS
 
 PRECISIONS = ("exact", "fast")
+# How K/V are stored in the page pool (model/kv_cache_format.py has the row formats).
+KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "int8")
 SPECULATIVE_METHODS = ("ngram", "draft")
 # How the data-parallel controller picks a replica (frontend/dp_controller.py).
 LOAD_BALANCE_METHODS = ("round_robin", "least_requests", "least_tokens", "prefix_aware")
@@ -114,8 +116,12 @@ class SpeculativeConfig:
 class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None = the bundled SmolLM2-135M-Instruct
     # KV pool size in tokens. 65536 tokens of SmolLM2-135M are 1.4 GiB in bf16 (fast mode), 2.8 GiB
-    # in fp32, but the pool is allocated lazily (torch.empty): only pages ever written are resident.
+    # in fp32, 0.75 GiB in int8, but the pool is allocated lazily (torch.empty): only pages ever
+    # written are resident.
     kv_cache_tokens: int = 65536
+    # How K/V are stored (model/kv_cache_format.py): auto = bf16 in fast mode, fp32 in exact; int8 =
+    # a scale per token and KV head, 1.88x the tokens of bf16 in the same bytes (fast mode only).
+    kv_cache_dtype: str = "auto"
     # 16 tokens a page: small enough that a request wastes < 16 slots, and page-aligned prefix
     # sharing stays fine-grained; the gather cost in attention is per token, not per page.
     page_size: int = 16
@@ -176,6 +182,7 @@ class EngineConfig:
                 f"quantization {self.quantization!r} needs precision 'fast' (exact computes the file's own "
                 "weights in fp32)", param="quantization",
             )
+        self._check_kv_cache_dtype()
         if not isinstance(self.kv_cache_disk_bytes, int) or self.kv_cache_disk_bytes < 1:
             raise InvalidRequest(f"kv_cache_disk_bytes must be an integer >= 1, got {self.kv_cache_disk_bytes!r}",
                                  param="kv_cache_disk_bytes")
@@ -198,6 +205,15 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequest("max_model_len must be >= 1", param="max_model_len")
         self._check_tensor_parallel()
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequest(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+                                 param="kv_cache_dtype")
+        if self.precision == "exact" and self.kv_cache_dtype == "int8":
+            # exact promises transformers' fp32 numbers; int8 K/V change them by design.
+            raise InvalidRequest("kv_cache_dtype 'int8' needs precision 'fast' (exact mode keeps K/V in fp32 or "
+                                 "bf16: use --kv-cache-dtype fp32, bf16 or auto)", param="kv_cache_dtype")
 
     def _check_tensor_parallel(self) -> None:
         for name in ("tensor_parallel_size", "nnodes"):

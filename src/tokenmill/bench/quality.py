@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tokenmill.bench.common import at_least
-from tokenmill.config import PRECISIONS, EngineConfig
+from tokenmill.config import KV_CACHE_DTYPES, PRECISIONS, EngineConfig
 
 # The issue's bounds: Q4_1 weights are the same numbers in both paths and only activation precision
 # differs, so the argmax should almost never move and perplexity should barely change.
@@ -242,6 +242,10 @@ def add_quality_parser(subparsers: Any) -> None:
     p.add_argument("--decode-batch", type=at_least(1), default=8,
                    help="windows decoded side by side in decode mode: the rows of each decode step")
     p.add_argument("--precision", choices=PRECISIONS, default="fast", help="the candidate; exact is the reference")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="the candidate's KV cache dtype")
+    p.add_argument("--reference-precision", choices=PRECISIONS, default="exact",
+                   help="the reference (with its own auto KV dtype): fast with --kv-cache-dtype int8 measures int8 "
+                        "K/V against bf16 K/V, everything else equal")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
     p.add_argument("--json", metavar="PATH", default=None, help="write settings and results here")
@@ -271,9 +275,12 @@ def cmd_quality(args: argparse.Namespace) -> int:
     page = EngineConfig().page_size
     kv_tokens = args.decode_batch * -(-args.window // page) * page
     base = EngineConfig(model=model, num_threads=args.num_threads, kv_cache_tokens=kv_tokens, max_model_len=args.window)
-    # `--precision exact` compares exact with itself (a sanity check: KL 0): one core serves both sides.
-    cores = {p: build_engine_core(replace(base, precision=p)) for p in dict.fromkeys(("exact", args.precision))}
-    context = cores["exact"].max_model_len  # the model's own limit, if smaller than the window
+    # The same settings on both sides (`--precision exact`: a sanity check, KL 0) share one core.
+    ref_config = replace(base, precision=args.reference_precision)
+    cand_config = replace(base, precision=args.precision, kv_cache_dtype=args.kv_cache_dtype)
+    ref_core = build_engine_core(ref_config)
+    cores = {"reference": ref_core, "candidate": ref_core if cand_config == ref_config else build_engine_core(cand_config)}
+    context = cores["reference"].max_model_len  # the model's own limit, if smaller than the window
     if context < args.window:
         print(f"error: --window {args.window} exceeds the model's context of {context} tokens", file=sys.stderr)
         return 2
@@ -281,7 +288,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
     reports = {}
     for mode in MODES if args.mode == "both" else (args.mode,):
         reports[mode] = measure_quality(
-            engine_logits(cores["exact"], mode), engine_logits(cores[args.precision], mode), token_ids,
+            engine_logits(cores["reference"], mode), engine_logits(cores["candidate"], mode), token_ids,
             args.window, bos, args.chunks, windows_per_call=args.decode_batch if mode == "decode" else 1,
         )
     settings["load_average_end"] = run_settings(base.threads)["load_average"]
@@ -291,30 +298,35 @@ def cmd_quality(args: argparse.Namespace) -> int:
         results = {m: {**asdict(r), "ppl_rel_change": r.ppl_rel_change, "passed": r.passed} for m, r in reports.items()}
         with open(args.json, "w") as f:
             json.dump({"settings": {**settings, "text": text_path, "text_tokens": len(token_ids),
-                                    "reference": "exact", "candidate": args.precision,
+                                    "reference": args.reference_precision, "candidate": _candidate(args),
                                     "args": {k: v for k, v in vars(args).items() if k != "func"}},
                        "bounds": {"top1_min": TOP1_MIN, "ppl_rel_max": PPL_REL_MAX},
                        "results": results, "passed": passed}, f, indent=2)
     return 0 if passed else 1
 
 
+def _candidate(args: argparse.Namespace) -> str:
+    """The candidate's label: its precision, and its KV dtype when one was asked for."""
+    return args.precision if args.kv_cache_dtype == "auto" else f"{args.precision}+kv-{args.kv_cache_dtype}"
+
+
 def _print_reports(reports: dict[str, QualityReport], args: argparse.Namespace, text_tokens: int, text_path: str,
                    settings: dict) -> None:
-    load, cand = settings["load_average"], args.precision
+    load, cand, ref = settings["load_average"], _candidate(args), args.reference_precision
     any_report = next(iter(reports.values()))
     print(f"{os.path.basename(text_path)}: {text_tokens} tokens, {any_report.windows} windows of {args.window}, "
-          f"second half of each scored: {any_report.positions} positions; candidate {cand}, reference exact; "
+          f"second half of each scored: {any_report.positions} positions; candidate {cand}, reference {ref}; "
           f"{settings['threads']} threads, load average {'n/a' if load is None else f'{load[0]:.2f}'}")
     verdict = {True: "PASS", False: "FAIL"}
     for mode, r in reports.items():
         how = "each window in one pass" if mode == "prefill" else f"{args.decode_batch} decode rows per step"
-        print(f"\n{mode} ({how}): exact {r.seconds_reference:.1f} s, {cand} {r.seconds_candidate:.1f} s")
+        print(f"\n{mode} ({how}): {ref} {r.seconds_reference:.1f} s, {cand} {r.seconds_candidate:.1f} s")
         print(f"  top-1 agreement       {100 * r.top1_agreement:7.2f}%   bound >= {100 * TOP1_MIN:.0f}%        "
               f"{verdict[r.top1_ok]}")
-        print(f"  perplexity exact      {r.ppl_reference:8.4f}")
+        print(f"  perplexity {ref:<10} {r.ppl_reference:8.4f}")
         print(f"  perplexity {cand:<10} {r.ppl_candidate:8.4f}   {100 * r.ppl_rel_change:+.3f}%, bound within "
               f"{100 * PPL_REL_MAX:.0f}%   {verdict[r.ppl_ok]}")
-        print(f"  KL(exact || {cand}) nats: mean {r.kl_mean:.3g}, p99 {r.kl_p99:.3g}, max {r.kl_max:.3g}")
+        print(f"  KL({ref} || {cand}) nats: mean {r.kl_mean:.3g}, p99 {r.kl_p99:.3g}, max {r.kl_max:.3g}")
         print(f"  {cand}'s top logit tied between tokens at {100 * r.candidate_top_ties:.2f}% of positions "
               f"(coarsely rounded logits, e.g. bf16, tie; argmax then takes the lowest id)")
     print(f"\nresult: {verdict[all(r.passed for r in reports.values())]}")

@@ -470,7 +470,7 @@ class EngineCore:
         cache.evict_all()
         return cache.num_pages == 0
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | str]:
         total = self.pool.num_pages
         free = self.pool.num_free
         cached = self.scheduler.num_cached_pages
@@ -482,6 +482,10 @@ class EngineCore:
             "kv_pages_in_use": total - free - cached,  # held by running requests (not by the tree)
             "kv_pages_cached": cached,  # owned by the prefix tree, evictable unless a request locks them
             "kv_page_size": self.pool.page_size,
+            # fp32, bf16 or int8 (model/kv_cache_format.py); the bytes count K and V of all layers
+            # (this rank's heads under tensor parallelism). A test's fake runner has neither.
+            "kv_cache_dtype": getattr(getattr(self.runner, "kv_format", None), "name", ""),
+            "kv_cache_bytes_per_token": getattr(self.runner, "kv_bytes_per_token", 0),
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,

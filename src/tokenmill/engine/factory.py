@@ -29,7 +29,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     else:
         torch.set_num_threads(config.threads)
         built = build_model(config.model, config.precision, config.quantization, config.bf16_min_rows,
-                            config.max_model_len, config.num_pages, config.page_size)
+                            config.max_model_len, config.num_pages, config.page_size, kv_cache_dtype=config.kv_cache_dtype)
         runner = built.runner
     mc, model = built.config, built.runner.model
     pooling = declared_pooling(built.source) or "last"  # for embedding requests
@@ -37,9 +37,11 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     if config.kv_cache_dir is not None:
         attach_disk_tier(core, config, runner)
     logger.info(
-        "loaded %s (%s, %d layers) in %.1fs; KV pool %d pages x %d tokens; precision %s; %d threads",
+        "loaded %s (%s, %d layers) in %.1fs; KV pool %d pages x %d tokens, %s (%d bytes a token, %.1f MB at most); "
+        "precision %s; %d threads",
         built.source, mc.architecture, mc.num_layers, time.monotonic() - start,
-        config.num_pages, config.page_size, config.precision, config.threads,
+        config.num_pages, config.page_size, built.runner.kv_format.name, built.runner.kv_bytes_per_token,
+        built.runner.kv_bytes_per_token * config.num_pages * config.page_size / 1e6, config.precision, config.threads,
     )
     for line in model.describe():
         logger.info("layers %s", line)

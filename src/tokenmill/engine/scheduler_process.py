@@ -197,6 +197,8 @@ class SchedulerLoop:
             **{k: s[k] for k in DASHBOARD_STATS if k in s}, time_s=now,
             prefix_tree_top=self._prefix_tree.get(self.engine.scheduler.cache, now, fresh=idle),
             num_tokens=sum(r.num_tokens for r in self.engine.requests.values()),
+            kv_cache_dtype=str(s.get("kv_cache_dtype", "")),
+            kv_cache_bytes_per_token=int(s.get("kv_cache_bytes_per_token", 0)),
         ))
         self._last_stats = now
         self._stats_dirty = not idle

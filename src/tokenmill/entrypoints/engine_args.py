@@ -8,6 +8,7 @@ import argparse
 import os
 
 from tokenmill.config import (
+    KV_CACHE_DTYPES,
     PRECISIONS,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
@@ -21,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
     g.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens, help="KV pool size in tokens")
+    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=d.kv_cache_dtype,
+                   help="how K/V are stored: auto (bf16 in fast mode, fp32 in exact), bf16, fp32, or int8 "
+                        "(a scale per token and head: 1.88x the tokens of bf16 in the same bytes; fast only)")
     g.add_argument("--page-size", type=int, default=d.page_size)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -71,7 +75,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ("kv_cache_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+    keys = ("kv_cache_tokens", "kv_cache_dtype", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
             "precision", "quantization", "num_threads", "seed", "enable_prefix_caching",
             "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "scheduling_policy",
             "kv_cache_dir", "kv_cache_disk_bytes")

@@ -210,6 +210,10 @@ class DataParallelRouter:
                 total[name] = max(values, default=0.0)
             elif values and isinstance(values[0], list):
                 total[name] = [item for value in values for item in value]
+            elif values and isinstance(values[0], str):  # a setting every replica shares (kv_cache_dtype)
+                total[name] = values[0]
+            elif name == "kv_cache_bytes_per_token":  # per token, not a count: the replicas' common value
+                total[name] = max(values, default=0)
             else:
                 total[name] = sum(values)
         return SchedulerStats(**total)

@@ -189,6 +189,8 @@ class SchedulerStats(msgspec.Struct, tag=True):
     last_step_time_s: float = 0.0
     # the radix tree's longest shared prefixes (RadixCache.shared_prefixes, as dicts), refreshed slower
     prefix_tree_top: list[dict] = []
+    kv_cache_dtype: str = ""  # how K/V are stored: fp32, bf16 or int8
+    kv_cache_bytes_per_token: int = 0
 
 
 ToScheduler = AddRequest | AbortRequest | FinishRequest

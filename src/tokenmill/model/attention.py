@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model import cpu_attention_kernel
+from tokenmill.model.kv_cache_format import KVCacheFormat
 
 
 @dataclass
@@ -55,7 +56,7 @@ class AttentionBackend(abc.ABC):
         q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_kv_heads, num_pages * page_size, head_dim]
+        k_cache: torch.Tensor,  # [num_kv_heads, num_pages * page_size, row] (model/kv_cache_format.py)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
@@ -79,8 +80,9 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
         # Write first, so every read below sees the current tokens too.
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+        fmt = KVCacheFormat.of(k_cache)
+        fmt.write(k_cache, meta.slot_mapping, k)
+        fmt.write(v_cache, meta.slot_mapping, v)
         return self.attend(q, k_cache, v_cache, meta)
 
     def attend(self, q, k_cache, v_cache, meta):
@@ -103,13 +105,13 @@ class TorchPagedAttention(AttentionBackend):
         per KV head into a preallocated output: measured ~7x faster than one index_select along
         dim 1, and than gathering single token slots.
         """
-        kvh, num_slots, hd = cache.shape
-        by_page = cache.view(kvh, num_slots // page_size, page_size * hd)
-        out = torch.empty(kvh, pages.shape[0], page_size * hd, dtype=cache.dtype)
+        kvh, num_slots, row = cache.shape
+        by_page = cache.view(kvh, num_slots // page_size, page_size * row)
+        out = torch.empty(kvh, pages.shape[0], page_size * row, dtype=cache.dtype)
         for head in range(kvh):
             torch.index_select(by_page[head], 0, pages, out=out[head])
-        # A bf16 cache (fast mode) is computed with in fp32, like the decode kernel does.
-        return out.view(kvh, -1, hd).float()
+        # bf16 and int8 caches are computed with in fp32, like the decode kernel does.
+        return KVCacheFormat.of(cache).decode(out.view(kvh, -1, row))
 
     def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
         # The fused C++ kernel reads K/V through the block table: no gather, no padding.

@@ -13,9 +13,8 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.kv_cache_format import KVCacheFormat
 from tokenmill.model.layers.factory import LayerPolicy, describe_fallbacks
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_weights
@@ -48,9 +47,10 @@ class BuiltModel:
 
 def build_model(
     path: str | None, precision: str, quantization: str, bf16_min_rows: int, max_model_len: int | None,
-    num_pages: int, page_size: int, shard: ModelShard | None = None,
+    num_pages: int, page_size: int, shard: ModelShard | None = None, kv_cache_dtype: str = "auto",
 ) -> BuiltModel:
-    """Weights loaded, laid out for `precision` / `quantization`, and a runner with its KV tensors."""
+    """Weights loaded, laid out for `precision` / `quantization`, and a runner with its KV tensors
+    in `kv_cache_dtype`'s format (model/kv_cache_format.py)."""
     loaded = load_weights(path)
     source = loaded.source
     mc = loaded.config
@@ -65,9 +65,7 @@ def build_model(
         logger.warning("%s", line)
     if shard is not None:
         shard.parallelize(model)
-    # Fast mode keeps K/V in bf16: decode attention at many rows reads the whole context of every row
-    # per layer, and that read is most of its cost (32 rows x 400 tokens: a step 67.6 -> 55.3 ms).
-    kv_dtype = torch.bfloat16 if precision == "fast" else torch.float32
+    kv_format = KVCacheFormat.resolve(kv_cache_dtype, precision)
     # Fast mode attends prompts through the paged kernel too; exact keeps SDPA (transformers' numbers).
-    runner = ModelRunner(model, num_pages, page_size, kv_dtype, prefill_as_decode_rows=precision == "fast")
+    runner = ModelRunner(model, num_pages, page_size, kv_format, prefill_as_decode_rows=precision == "fast")
     return BuiltModel(runner, mc, max_len, source)

@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.model.attention import AttentionMetadata, PrefillSpan
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.kv_cache_format import EXACT_DEFAULT, KVCacheFormat
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.pooling import chunk_pool
 
@@ -42,14 +43,18 @@ class SeqChunk:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int,
-                 kv_dtype: torch.dtype = torch.float32, prefill_as_decode_rows: bool = False) -> None:
+                 kv_format: KVCacheFormat | torch.dtype = EXACT_DEFAULT, prefill_as_decode_rows: bool = False) -> None:
         self.model = model
         # Only where the C++ kernel reads the pages in place: the PyTorch path would pad every row.
         kernel = getattr(model.attention, "kernel", False)
         self.max_rows_as_decode = 1 << 62 if prefill_as_decode_rows and kernel else MAX_ROWS_AS_DECODE
         self.page_size = page_size
         self.num_pages = num_pages
+        kv_format = KVCacheFormat.of(kv_format) if isinstance(kv_format, torch.dtype) else kv_format
+        self.kv_format = kv_format
         c: ModelConfig = model.config
+        # What one token costs in the pool (this rank's heads, all layers): stats and logs say it.
+        self.kv_bytes_per_token = kv_format.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
         num_slots = num_pages * page_size
         # torch.empty: untouched pages cost no resident memory, so a large pool is cheap until used.
         # But attention reads whole pages, including slots not yet written, and uninitialised memory
@@ -57,10 +62,8 @@ class ModelRunner:
         # touches them; the free list hands out low page ids first, so a high-water mark suffices.
         self._zeroed_pages = 0
         self.kv_caches = [
-            (
-                torch.empty(c.num_kv_heads, num_slots, c.head_dim, dtype=kv_dtype),
-                torch.empty(c.num_kv_heads, num_slots, c.head_dim, dtype=kv_dtype),
-            )
+            (kv_format.allocate(c.num_kv_heads, num_slots, c.head_dim),
+             kv_format.allocate(c.num_kv_heads, num_slots, c.head_dim))
             for _ in range(c.num_layers)
         ]
 

@@ -35,6 +35,7 @@ class TensorParallelRunner:
         self.workers = workers or []  # ranks this process started (this node's), stopped with it
         self.model = inner.model
         self.page_size, self.num_pages, self.kv_caches = inner.page_size, inner.num_pages, inner.kv_caches
+        self.kv_format, self.kv_bytes_per_token = inner.kv_format, inner.kv_bytes_per_token
         self._closed = False
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:

@@ -105,6 +105,8 @@ _ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[SchedulerStats], float]],
     (_G, "tokenmill:num_requests_running", "Requests in the running batch", lambda s: s.num_requests_running),
     (_G, "tokenmill:num_requests_waiting", "Requests waiting to be scheduled", lambda s: s.num_requests_waiting),
     (_G, "tokenmill:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full)", _kv_usage),
+    (_G, "tokenmill:kv_cache_bytes_per_token", "Bytes of K and V one token holds in the pool (all layers)",
+     lambda s: s.kv_cache_bytes_per_token),
     (_C, "tokenmill:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
      lambda s: s.prefix_cache_hit_tokens_total),
     (_C, "tokenmill:prompt_tokens", "Prompt tokens admitted", lambda s: s.prompt_tokens_total),
@@ -123,6 +125,10 @@ _ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[SchedulerStats], float]],
      _mean_accepted_length),
 )
 
+# vLLM's cache_config_info: the setting as a label on a constant 1.
+_CACHE_INFO = ("tokenmill:cache_config_info", "KV cache settings (cache_dtype: fp32, bf16 or int8)")
+
+
 class _EngineCollector:
     """One engine: unlabelled series. Data-parallel replicas: every series once per replica with a
     `replica` label (sum them for the server), plus tokenmill:replica_up (1 alive, 0 dead)."""
@@ -140,6 +146,9 @@ class _EngineCollector:
             return
         for family, name, doc, value in _ENGINE_METRICS:
             yield family(name, doc, value=value(s))
+        info = GaugeMetricFamily(*_CACHE_INFO, labels=["cache_dtype"])
+        info.add_metric([s.kv_cache_dtype], 1.0)
+        yield info
 
     def _collect_replicas(self, replicas: list[tuple[int, bool, SchedulerStats | None]]) -> Iterator[Metric]:
         up = GaugeMetricFamily("tokenmill:replica_up", "Data-parallel replica alive (1) or dead (0)",
@@ -153,3 +162,8 @@ class _EngineCollector:
                 if s is not None:
                     metric.add_metric([str(index)], value(s))
             yield metric
+        info = GaugeMetricFamily(*_CACHE_INFO, labels=["replica", "cache_dtype"])
+        for index, _, s in replicas:
+            if s is not None:
+                info.add_metric([str(index), s.kv_cache_dtype], 1.0)
+        yield info

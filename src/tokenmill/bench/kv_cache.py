@@ -1,0 +1,118 @@
+"""Microbenchmarks of the KV cache formats: the paged decode-attention kernel alone per cache dtype
+(csrc/paged_attention*.h), and what int8 rows lose on a real model's K/V.
+
+Why a script and not `tokenmill bench`: it times one C++ op on synthetic caches (SmolLM2's head layout,
+pages handed out in a shuffled order so that the block table jumps around the pool, as a long-running
+server's does), which isolates the kernel from the model, the sampler and the scheduler. Two shapes:
+`decode`, many sequences of one row each (the decode step at many streams), and `runs`, sequences of 16
+consecutive rows (speculative verification and fast mode's prompt chunks).
+
+    python -m tokenmill.bench.kv_cache --rows 64 --context 1024 --repeats 20
+
+`--rounding` instead measures what int8 rows lose on a real model's K/V (the bundled model's cache
+after one held-out prompt): the relative RMS error of a scale per token and head (the format used)
+against a scale per group of 32 values, per layer range, so the choice of granularity is a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill.model import cpu_attention_kernel as kernel
+from tokenmill.model.kv_cache_format import KVCacheFormat
+
+
+def make_inputs(fmt: KVCacheFormat, seqs: int, rows: int, context: int, kv_heads: int, group: int, head_dim: int,
+                page_size: int, seed: int = 0):
+    """q, caches, block table and lengths for `seqs` sequences of `rows` consecutive rows each."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per_seq = -(-(context + rows) // page_size)
+    num_pages = seqs * pages_per_seq + 8
+    order = torch.randperm(num_pages, generator=g)
+    caches = []
+    for _ in range(2):
+        values = torch.randn(kv_heads, num_pages * page_size, head_dim, generator=g)
+        caches.append(fmt.encode(values))
+    table = order[: seqs * pages_per_seq].view(seqs, pages_per_seq).repeat_interleave(rows, dim=0)
+    lens = (torch.arange(rows).repeat(seqs) + context + 1).to(torch.long)
+    q = torch.randn(seqs * rows, kv_heads * group, head_dim, generator=g)
+    return q, caches[0], caches[1], table.contiguous(), lens
+
+
+def time_call(args: tuple, page_size: int, scale: float, repeats: int) -> list[float]:
+    kernel.paged_decode_attention(*args, page_size, scale)  # warm-up (and first-touch of the pages)
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernel.paged_decode_attention(*args, page_size, scale)
+        out.append((time.perf_counter() - start) * 1e3)
+    return out
+
+
+def group_error(values: torch.Tensor, group: int) -> float:
+    """Relative RMS error of symmetric int8 rounding with one scale per `group` values of each row."""
+    x = values.float().reshape(-1, group)
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
+    err = torch.round(x / scale).clamp(-127, 127) * scale - x
+    return float(err.pow(2).mean().sqrt() / x.pow(2).mean().sqrt())
+
+
+def rounding_report(prompt_tokens: int) -> None:
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.factory import build_engine_core
+    from tokenmill.bench.quality import held_out_text_path
+    from tokenmill.frontend.tokenizer import Tokenizer
+    from tokenmill.model.default_model import default_model_path
+    from tokenmill.model.runner import SeqChunk
+
+    ids = Tokenizer.from_model_path(default_model_path()).encode(Path(held_out_text_path()).read_text())[:prompt_tokens]
+    core = build_engine_core(EngineConfig(kv_cache_tokens=prompt_tokens + 16, kv_cache_dtype="fp32"))
+    runner = core.runner
+    runner.execute([SeqChunk(ids, 0, list(range(runner.num_pages)), sample=True)])
+    hd = runner.model.config.head_dim
+    print(f"{len(ids)} held-out tokens; relative RMS error of int8 K/V rows (fp32 cache of the bundled model)")
+    print("layers    K per row  K per 32  V per row  V per 32")
+    layers = runner.kv_caches
+    for lo in range(0, len(layers), 10):
+        k = torch.cat([c[0][:, : len(ids)] for c in layers[lo : lo + 10]])
+        v = torch.cat([c[1][:, : len(ids)] for c in layers[lo : lo + 10]])
+        print(f"{lo:2d}-{min(lo + 10, len(layers)) - 1:2d}     {group_error(k, hd):8.4f}  {group_error(k, 32):8.4f}  "
+              f"{group_error(v, hd):8.4f}  {group_error(v, 32):8.4f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtypes", default="fp32,bf16,int8", help="comma-separated cache dtypes")
+    p.add_argument("--rows", type=int, default=64, help="sequences of the decode shape")
+    p.add_argument("--context", type=int, default=1024, help="cached tokens of each sequence")
+    p.add_argument("--run-seqs", type=int, default=4, help="sequences of 16 rows in the runs shape")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--rounding", action="store_true", help="int8 rounding error on the bundled model's K/V instead")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.num_threads)
+    if a.rounding:
+        rounding_report(512)
+        return
+    if not kernel.available():
+        raise SystemExit("the CPU attention kernel is not available")
+    kv_heads, group, hd, page_size = 3, 3, 64, 16  # SmolLM2-135M's attention
+    print(f"threads {a.num_threads}, load {os.getloadavg()[0]:.2f}, context {a.context}, head_dim {hd}, "
+          f"{kv_heads} KV heads x group {group}, page {page_size}; ms per call, median [min-max] of {a.repeats}")
+    for name in a.dtypes.split(","):
+        fmt = KVCacheFormat.named(name.strip())
+        for shape, seqs, rows in (("decode", a.rows, 1), ("runs", a.run_seqs, 16)):
+            inputs = make_inputs(fmt, seqs, rows, a.context, kv_heads, group, hd, page_size)
+            t = time_call(inputs, page_size, hd**-0.5, a.repeats)
+            print(f"{fmt.name:5s} {shape:6s} {seqs:3d} x {rows:2d} rows: {statistics.median(t):8.3f} "
+                  f"[{min(t):.3f}-{max(t):.3f}]")
+
+
+if __name__ == "__main__":
+    main()
