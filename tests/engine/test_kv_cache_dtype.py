@@ -1,0 +1,98 @@
+"""`kv_cache_dtype` end to end on a tiny random-weight llama: int8 K/V give mostly the greedy tokens
+bf16 K/V give, the prefix cache and preemption serve int8 rows as they serve bf16 ones (the same
+tokens as a cold run with room to spare), stats say the dtype and its bytes, and exact mode refuses
+int8 by the option's name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine.fake_runner import run_to_completion
+from tests.tiny_models import VOCAB_SIZE, make_tiny_model
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.factory import build_engine_core
+from tokenmill.errors import InvalidRequest
+from tokenmill.sample.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("kvdtype"), "llama", tokenizer=False)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(100, VOCAB_SIZE, (length,), generator=g)]
+
+
+def engine(folder: Path, kv_cache_dtype: str, kv_cache_tokens: int = 1024, **kwargs) -> EngineCore:
+    return build_engine_core(EngineConfig(model=str(folder), precision="fast", num_threads=1,
+                                          kv_cache_tokens=kv_cache_tokens, kv_cache_dtype=kv_cache_dtype, **kwargs))
+
+
+def greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int, tag: str = "") -> list[list[int]]:
+    for i, ids in enumerate(prompts):
+        core.add_request(f"{tag}{i}", ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    out = run_to_completion(core)
+    return [out[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+PROMPTS = [prompt(1, 5), prompt(2, 40), prompt(3, 23), prompt(4, 70)]
+
+
+def test_int8_kv_agrees_with_bf16_kv_on_most_greedy_tokens(folder):
+    bf16 = engine(folder, "bf16")
+    int8 = engine(folder, "int8")
+    assert bf16.runner.kv_caches[0][0].dtype == torch.bfloat16 and int8.runner.kv_caches[0][0].dtype == torch.int8
+    a, b = greedy(bf16, PROMPTS, 24), greedy(int8, PROMPTS, 24)
+    # greedy paths diverge for good after the first differing token: count the agreeing prefix
+    same = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b))
+    assert same >= 0.75 * sum(len(p) for p in a), (a, b)
+    s = int8.stats()
+    c = int8.runner.model.config
+    assert s["kv_cache_dtype"] == "int8" and bf16.stats()["kv_cache_dtype"] == "bf16"
+    assert s["kv_cache_bytes_per_token"] == 2 * c.num_layers * c.num_kv_heads * (c.head_dim + 4)
+    assert bf16.stats()["kv_cache_bytes_per_token"] == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
+    int8.check_integrity()
+
+
+def test_prefix_cache_and_preemption_serve_int8_rows(folder):
+    shared = prompt(9, 48)  # three full pages shared by the requests below
+    prompts = [shared + prompt(10 + i, 7) for i in range(3)]
+    cold = [greedy(engine(folder, "int8"), [p], 16)[0] for p in prompts]  # each on a fresh engine
+    warm = engine(folder, "int8")
+    first = greedy(warm, prompts[:1], 16, "a")
+    rest = greedy(warm, prompts[1:], 16, "b")
+    assert warm.stats()["prefix_cache_hit_tokens_total"] >= 2 * 48
+    assert first + rest == cold
+    # A pool too small for all of them at once: requests are preempted and recomputed.
+    small = engine(folder, "int8", kv_cache_tokens=7 * 16, max_num_seqs=4)
+    assert greedy(small, prompts, 16, "c") == cold
+    assert small.stats()["num_preemptions"] > 0
+    small.check_integrity()
+
+
+def test_exact_mode_refuses_int8_by_name():
+    with pytest.raises(InvalidRequest, match="kv_cache_dtype") as err:
+        EngineConfig(precision="exact", kv_cache_dtype="int8")
+    assert err.value.param == "kv_cache_dtype"
+    with pytest.raises(InvalidRequest, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8")
+    assert EngineConfig(precision="exact", kv_cache_dtype="bf16").kv_cache_dtype == "bf16"
+    assert EngineConfig().kv_cache_dtype == "auto"
+
+
+def test_metrics_say_the_dtype_and_bytes():
+    from tokenmill.entrypoints.openai.metrics import ServerMetrics
+    from tokenmill.ipc.messages import SchedulerStats
+
+    stats = SchedulerStats(num_requests_running=0, num_requests_waiting=0, kv_pages_total=4, kv_pages_in_use=0,
+                           prompt_tokens_total=0, generation_tokens_total=0, prefix_cache_hit_tokens_total=0,
+                           num_preemptions=0, kv_cache_dtype="int8", kv_cache_bytes_per_token=12240)
+    text = ServerMetrics(lambda: stats).render().decode()
+    assert 'tokenmill:cache_config_info{cache_dtype="int8"} 1.0' in text
+    assert "tokenmill:kv_cache_bytes_per_token 12240.0" in text
