@@ -64,9 +64,9 @@ def group_error(values: torch.Tensor, group: int) -> float:
 
 
 def rounding_report(prompt_tokens: int) -> None:
+    from tokenmill.bench.quality import held_out_text_path
     from tokenmill.config import EngineConfig
     from tokenmill.engine.factory import build_engine_core
-    from tokenmill.bench.quality import held_out_text_path
     from tokenmill.frontend.tokenizer import Tokenizer
     from tokenmill.model.default_model import default_model_path
     from tokenmill.model.runner import SeqChunk
