@@ -9,7 +9,9 @@ consecutive rows (speculative verification and fast mode's prompt chunks).
 
     python -m tokenmill.bench.kv_cache --rows 64 --context 1024 --repeats 20
 
-`--rounding` instead measures what int8 rows lose on a real model's K/V (the bundled model's cache
+`--steps` times whole decode steps of the bundled model instead (fast mode, `--rows` streams of
+`--context` cached tokens, caches filled with random rows rather than prefilled), per dtype.
+`--rounding` measures what int8 rows lose on a real model's K/V (the bundled model's cache
 after one held-out prompt): the relative RMS error of a scale per token and head (the format used)
 against a scale per group of 32 values, per layer range, so the choice of granularity is a number.
 """
@@ -86,6 +88,39 @@ def rounding_report(prompt_tokens: int) -> None:
               f"{group_error(v, hd):8.4f}  {group_error(v, 32):8.4f}")
 
 
+def step_report(dtypes: list[str], streams: int, context: int, repeats: int, threads: int) -> None:
+    """Whole decode steps of the bundled model (fast mode) at `streams` rows of `context` cached tokens
+    each: the caches are filled with random rows instead of prefilled (only the time matters here)."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.factory import build_engine_core
+    from tokenmill.model.runner import SeqChunk
+
+    pages_per_seq = -(-(context + 1) // 16)
+    print(f"decode steps, {streams} rows x {context} cached tokens, bundled model, fast, {threads} threads, "
+          f"load {os.getloadavg()[0]:.2f}; ms per step, median [min-max] of {repeats}")
+    for name in dtypes:
+        core = build_engine_core(EngineConfig(kv_cache_tokens=streams * pages_per_seq * 16, kv_cache_dtype=name,
+                                              num_threads=threads))
+        runner = core.runner
+        fmt = runner.kv_format
+        g = torch.Generator().manual_seed(0)
+        for k, v in runner.kv_caches:
+            for cache in (k, v):
+                values = torch.randn(cache.shape[0], cache.shape[1], runner.model.config.head_dim, generator=g)
+                cache.copy_(fmt.encode(values))
+        runner._zeroed_pages = runner.num_pages  # filled above: nothing left to zero
+        chunks = [SeqChunk([100 + i], context, list(range(i * pages_per_seq, (i + 1) * pages_per_seq)), sample=True)
+                  for i in range(streams)]
+        runner.execute(chunks)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.execute(chunks)
+            times.append((time.perf_counter() - start) * 1e3)
+        print(f"{name:5s} {statistics.median(times):8.1f} [{min(times):.1f}-{max(times):.1f}]  "
+              f"({runner.kv_bytes_per_token} KV bytes a token)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="fp32,bf16,int8", help="comma-separated cache dtypes")
@@ -95,10 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--rounding", action="store_true", help="int8 rounding error on the bundled model's K/V instead")
+    p.add_argument("--steps", action="store_true", help="whole decode steps of the bundled model at --rows streams")
     a = p.parse_args(argv)
     torch.set_num_threads(a.num_threads)
     if a.rounding:
         rounding_report(512)
+        return
+    if a.steps:
+        step_report([d.strip() for d in a.dtypes.split(",")], a.rows, a.context, a.repeats, a.num_threads)
         return
     if not kernel.available():
         raise SystemExit("the CPU attention kernel is not available")
