@@ -20,6 +20,9 @@ from tokenmill.model.default_model import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACK
 ARCHS = ("llama", "llama3_tied", "mistral", "qwen2", "qwen3")
 # Mixture-of-experts families (model/moe.py): 4 experts, 2 per token.
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+# The gemma family (model/gemma.py): a window of 8 tokens, so short test prompts already slide.
+GEMMA_ARCHS = ("gemma2", "gemma3")
+GEMMA_WINDOW = 8
 VOCAB_SIZE = 49152
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -75,6 +78,34 @@ _ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "mixtral",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
          "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    ),
+    # head_dim != hidden / heads and query_pre_attn_scalar != head_dim, as each has its own use;
+    # capping at small values so that tanh changes the numbers of O(1) scores and logits.
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": GEMMA_WINDOW,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "num_hidden_layers": 3,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": GEMMA_WINDOW,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
     ),
 }
 
@@ -148,6 +179,13 @@ _GGUF_LAYER = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# llama.cpp's names for gemma's four layer norms (the pre-MLP one is "ffn_norm" as in llama).
+_GGUF_GEMMA_LAYER = {
+    **_GGUF_LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -155,12 +193,12 @@ _GGUF_GLOBAL = {
 }
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, gemma: bool = False) -> str:
     if hf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_LAYER[module]}.{kind}"
+    return f"blk.{layer}.{(_GGUF_GEMMA_LAYER if gemma else _GGUF_LAYER)[module]}.{kind}"
 
 
 def _llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -216,7 +254,9 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | 
 
     model = reference_model(folder)
     c = model.config
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[c.model_type]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+            "gemma3_text": "gemma3"}[c.model_type]
+    gemma = arch.startswith("gemma")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(os.fspath(out), arch)
     writer.add_block_count(c.num_hidden_layers)
@@ -225,7 +265,13 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | 
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if gemma:
+        writer.add_sliding_window(c.sliding_window)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(c, key, None):
+                writer.add_float32(f"{arch}.{key}", getattr(c, key))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
@@ -233,10 +279,12 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | 
     writer.add_vocab_size(c.vocab_size)
     writer.add_bos_token_id(c.bos_token_id)
     writer.add_eos_token_id(c.eos_token_id)
-    if c.rope_parameters.get("rope_type") == "llama3":
+    if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llamacpp_rope_freqs(c.rope_parameters, head_dim))
     for name, tensor in reference_state_dict(model).items():
         w = tensor.numpy()
+        if gemma and name.endswith("norm.weight"):
+            w = w + 1.0  # convert_hf_to_gguf.py's Gemma models store the multiplier 1 + w
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             w = _llamacpp_permute(w, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
         kind = quant(name) if callable(quant) else quant
@@ -249,10 +297,10 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | 
             else:
                 seed = sum(map(ord, name))
                 data = random_blocks(kind, *w.shape, seed=seed, std=float(w.std()))
-            writer.add_tensor(_gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
+            writer.add_tensor(_gguf_name(name, gemma), data, raw_shape=data.shape, raw_dtype=qtype)
             continue
         w = w.astype(np.float16) if name == "model.embed_tokens.weight" else w.astype(np.float32)
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+        writer.add_tensor(_gguf_name(name, gemma), np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -68,12 +68,15 @@ class AttentionBackend(abc.ABC):
 
 
 class TorchPagedAttention(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        # SDPA gets a scale only when the model sets one (gemma's query_pre_attn_scalar): its own
+        # default is what transformers' llama-family models use, to the last bit.
+        self.sdpa_scale = scale
         # Build/load the C++ decode kernel now, not in the first step; decided once (an environment
         # lookup per layer and step cost ~0.25 ms of a 6 ms batch-1 step).
         self.kernel = cpu_attention_kernel.available()
@@ -140,11 +143,13 @@ class TorchPagedAttention(AttentionBackend):
         values = self._gather_pages(v_cache, span.pages, page_size)[:, : span.kv_len].unsqueeze(0)
         query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
         if span.kv_len == span.q_len:
-            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True,
+                                                 scale=self.sdpa_scale)
         else:
             # The chunk's queries sit at the end of the context: query i sees keys 0..offset+i.
             offset = span.kv_len - span.q_len
             q_pos = torch.arange(offset, span.kv_len).unsqueeze(1)
             mask = torch.arange(span.kv_len).unsqueeze(0) <= q_pos
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True,
+                                                 scale=self.sdpa_scale)
         return out.squeeze(0).transpose(0, 1)

@@ -67,5 +67,6 @@ def build_model(
         shard.parallelize(model)
     kv_format = KVCacheFormat.resolve(kv_cache_dtype, precision)
     # Fast mode attends prompts through the paged kernel too; exact keeps SDPA (transformers' numbers).
-    runner = ModelRunner(model, num_pages, page_size, kv_format, prefill_as_decode_rows=precision == "fast")
+    as_rows = precision == "fast" and getattr(model, "prompts_as_decode_rows", True)
+    runner = ModelRunner(model, num_pages, page_size, kv_format, prefill_as_decode_rows=as_rows)
     return BuiltModel(runner, mc, max_len, source)

@@ -33,3 +33,19 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Mixture of experts (model/moe.py); None: every layer has a dense MLP.
     moe: MoEConfig | None = None
+    # Sliding-window attention (gemma2 / gemma3): one entry per layer, "sliding_attention" or
+    # "full_attention"; None means every layer attends to the whole context. A sliding layer's query
+    # at position p sees keys p - sliding_window + 1 .. p (transformers' and llama.cpp's rule).
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    # RoPE theta of the sliding layers when it differs from the global one (gemma3: 10,000 vs 1e6;
+    # the global layers' rope_scaling does not apply to them).
+    rope_local_theta: float | None = None
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 when set (gemma), else head_dim's.
+    query_pre_attn_scalar: float | None = None
+    # gemma2: tanh soft-capping cap * tanh(x / cap) of attention scores and of the final logits.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model import gemma_files
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.gguf_file import GGUFFile, read_gguf
 from tokenmill.model.quant_formats import GGUFWeight, format_of
@@ -29,7 +30,7 @@ from tokenmill.model.quant_formats import GGUFWeight, format_of
 GGUF_MAGIC = b"GGUF"
 
 # GGUF `general.architecture` -> registry key. Mistral GGUFs say "llama": llama.cpp converts them as llama.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", **gemma_files.GGUF_ARCHITECTURES}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -78,7 +79,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str]
             if tensor.name == _ROPE_FREQS:
                 rope_freqs = dequantize(tensor.data, GGMLQuantizationType[kind]).reshape(shape)
                 continue
-            name = _hf_name(tensor.name, path)
+            name = _hf_name(tensor.name, path, arch)
             w = _read(tensor.data, kind, shape)
             for fix in _TENSOR_FIXES.get(arch, ()):
                 w = fix(name, w, config)
@@ -153,13 +154,14 @@ def _meta(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.metadata.get(key, default)
 
 
-def _hf_name(gguf_name: str, path: str) -> str:
+def _hf_name(gguf_name: str, path: str, arch: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_TENSOR.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **gemma_files.GGUF_LAYER_NAMES} if arch in gemma_files.GGUF_ARCHITECTURES else _LAYER_NAMES
+    if m is None or m.group(2) not in names:
         raise ModelLoadError(path, f"unexpected tensor {gguf_name!r}: tokenmill does not know what it is")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -185,7 +187,7 @@ def _config(reader: GGUFFile, path: str, arch: str) -> ModelConfig:
     if vocab is None:
         raise ModelLoadError(path, f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     eos = [_meta(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    return ModelConfig(
+    config = ModelConfig(
         architecture=ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -205,6 +207,9 @@ def _config(reader: GGUFFile, path: str, arch: str) -> ModelConfig:
         # eot/eom: llama.cpp also stops generation on these (e.g. Llama 3 <|eot_id|>).
         eos_token_ids=tuple(dict.fromkeys(int(t) for t in eos if t is not None)),
     )
+    if arch in gemma_files.GGUF_ARCHITECTURES:
+        config = gemma_files.gguf_config(config, lambda key: _meta(reader, key), arch)
+    return config
 
 
 def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model import gemma_files
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.moe_config import MOE_MODEL_TYPES, moe_config_from_hf
 
@@ -29,7 +30,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 16},
     "mixtral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "bos_token_id": 1, "eos_token_id": 2},
 }
-SUPPORTED_MODEL_TYPES = tuple(sorted(_DEFAULTS))
+SUPPORTED_MODEL_TYPES = tuple(sorted([*_DEFAULTS, *gemma_files.HF_MODEL_TYPES]))
 _REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -57,6 +58,8 @@ def load_hf(folder: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue
             weights[name] = tensor.to(torch.float32).contiguous()
+    if config.architecture in gemma_files.FAMILY:
+        weights = gemma_files.hf_weights(weights)
     return config, weights
 
 
@@ -72,6 +75,8 @@ def read_config(folder: str) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise ModelLoadError(path, "config.json is not a JSON object")
     model_type = cfg.get("model_type")
+    if model_type in gemma_files.HF_MODEL_TYPES:
+        return gemma_files.hf_config(cfg, path, _rope)
     if model_type not in _DEFAULTS:
         raise ModelLoadError(
             path, f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"

@@ -31,6 +31,26 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def weight_bytes(parts: list) -> int:
+    """Bytes of the tensors in `parts` (tensors or layers holding them), each storage counted once."""
+    seen: dict[int, int] = {}
+
+    def add(obj) -> None:
+        if obj is None:
+            return
+        if isinstance(obj, torch.Tensor):
+            seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+            return
+        for name in ("weight", "weight_bf16", "bias", "codes", "scales", "mins", "parts", "inner"):
+            value = getattr(obj, name, None)
+            for item in value if isinstance(value, list) else [value]:
+                add(item)
+
+    for part in parts:
+        add(part)
+    return sum(seen.values())
+
+
 class DecoderLayer:
     def __init__(self, config: ModelConfig, weights: dict, prefix: str, policy: LayerPolicy):
         def w(name: str):
@@ -177,26 +197,10 @@ class LlamaForCausalLM:
 
     def weight_bytes(self) -> int:
         """Bytes of weights the model holds (shared tensors, e.g. tied embeddings, counted once)."""
-        seen: dict[int, int] = {}
-
-        def add(obj) -> None:
-            if obj is None:
-                return
-            if isinstance(obj, torch.Tensor):
-                seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-                return
-            for name in ("weight", "weight_bf16", "bias", "codes", "scales", "mins", "parts", "inner"):
-                value = getattr(obj, name, None)
-                for item in value if isinstance(value, list) else [value]:
-                    add(item)
-
-        add(self.embed_tokens)
-        add(self.lm_head)
-        add(self.norm)
+        parts = [self.embed_tokens, self.lm_head, self.norm]
         for layer in self.layers:
-            for part in (*layer.linears(), layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm):
-                add(part)
-        return sum(seen.values())
+            parts += [*layer.linears(), layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm]
+        return weight_bytes(parts)
 
     def describe(self) -> list[str]:
         """What each kind of layer runs as (logged at start-up)."""

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model import gemma_files
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.default_model import default_model_path
 from tokenmill.model.gguf_loader import GGUF_MAGIC, load_gguf, read_gguf_config
@@ -102,6 +103,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
         shapes[p + "mlp.up_proj.weight"] = (ffn, h)
         shapes[p + "mlp.down_proj.weight"] = (h, ffn)
+    if config.architecture in gemma_files.FAMILY:
+        shapes.update(gemma_files.extra_shapes(config))
     return shapes
 
 

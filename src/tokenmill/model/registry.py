@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from tokenmill.model.gemma import GemmaForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.moe import MoEForCausalLM
 
-ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+ModelClass = type[LlamaForCausalLM] | type[GemmaForCausalLM]  # MoEForCausalLM is a LlamaForCausalLM
+
+ARCHITECTURES: dict[str, ModelClass] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
@@ -13,10 +16,12 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_moe": MoEForCausalLM,
     "qwen2_moe": MoEForCausalLM,
     "mixtral": MoEForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
 }
 
 
-def model_class(architecture: str) -> type[LlamaForCausalLM]:
+def model_class(architecture: str) -> ModelClass:
     try:
         return ARCHITECTURES[architecture]
     except KeyError:

@@ -19,7 +19,9 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         return inv_freq
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, scaling)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
+    if rope_type == "linear":  # positions divided by the factor (gemma3 4B+ global layers)
+        return inv_freq / scaling["factor"]
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
