@@ -20,6 +20,8 @@ from typing import Any
 import tokenizers
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model.gguf_metadata import read_gguf_metadata
+from tokenmill.model.spm_vocab import build_spm_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +54,17 @@ def _load_gguf(path: str) -> TokenizerFiles:
 
     try:
         meta = _gguf_metadata(path)
-        hf = AutoTokenizer.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-        )
+        if meta.get("tokenizer.ggml.model") == "llama":
+            # SentencePiece: built as llama.cpp tokenizes (spm_vocab.py), not by transformers'
+            # converter, whose Gemma tokenizer gives other ids.
+            backend = _spm_backend(path)
+        else:
+            hf = AutoTokenizer.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+            )
+            backend = _backend_of(hf, path)
+    except ModelLoadError:
+        raise
     except Exception as exc:  # transformers raises many kinds; the user needs the file and the cause
         raise ModelLoadError(path, f"cannot build the tokenizer from GGUF metadata: {exc}") from exc
     eos = {int(meta[k]) for k in _GGUF_EOS_KEYS if meta.get(k) is not None}
@@ -62,7 +72,6 @@ def _load_gguf(path: str) -> TokenizerFiles:
     bos = meta.get("tokenizer.ggml.bos_token_id")
     prefix = "tokenizer.chat_template."
     named = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix) and isinstance(v, str)}
-    backend = _backend_of(hf, path)
     return TokenizerFiles(
         backend,
         bos_token_id=None if bos is None else int(bos),
@@ -71,6 +80,16 @@ def _load_gguf(path: str) -> TokenizerFiles:
         chat_template=meta.get("tokenizer.chat_template"),
         named_chat_templates=named,
     )
+
+
+def _spm_backend(path: str) -> tokenizers.Tokenizer:
+    meta = read_gguf_metadata(path)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    scores, types = meta.get("tokenizer.ggml.scores"), meta.get("tokenizer.ggml.token_type")
+    if not tokens or scores is None or types is None or not len(tokens) == len(scores) == len(types):
+        raise ModelLoadError(path, "a SentencePiece vocabulary needs tokenizer.ggml.tokens, scores and "
+                                   "token_type of one length")
+    return build_spm_tokenizer(meta, tokens, scores.tolist(), types.tolist())
 
 
 def _gguf_metadata(path: str) -> dict[str, Any]:
