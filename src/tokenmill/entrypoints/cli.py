@@ -107,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         engine=engine, model_path=model_path, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, log_level=args.log_level, reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, chat_template=args.chat_template,
     )
     if args.max_request_bytes is not None:
         config = dataclasses.replace(config, max_request_bytes=args.max_request_bytes)
@@ -124,6 +124,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_server(config)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
         return 0
+
+
+def _chat_template_text(value: str) -> str:
+    from tokenmill.frontend.chat_template import load_chat_template
+
+    try:
+        return load_chat_template(value)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _reasoning_parser_name(text: str) -> str:
@@ -180,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="larger request bodies get 413 before they are read (default: 4 MiB)")
     p.add_argument("--reasoning-parser", type=_reasoning_parser_name, default=None, metavar="NAME",
                    help="split <think>...</think> into reasoning_content: deepseek_r1 or qwen3 (default: none)")
+    p.add_argument("--chat-template", type=_chat_template_text, default=None, metavar="FILE_OR_JINJA",
+                   help="chat template for /v1/chat/completions instead of the model's (a file, or the Jinja "
+                        "text itself): base models have none")
     p.add_argument("--tool-call-parser", type=_tool_call_parser_name, default=None, metavar="NAME",
                    help="read the model's tool calls into message.tool_calls: hermes, llama3_json, mistral "
                         "or glm45 (default: the one the chat template writes, if recognised, else none; "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 from collections.abc import Mapping
 from datetime import datetime
@@ -36,6 +37,21 @@ _ITERATES_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+[\w.\[\]'\"]*content\b
 _TESTS_STRING = re.compile(r"\bis\s+string\b")
 
 
+def load_chat_template(value: str) -> str:
+    """`--chat-template`'s argument (vLLM's rule): a file's text, or the argument itself when it
+    looks like a template; a name that looks like a path to a missing file is an error."""
+    if os.path.isfile(os.path.expanduser(value)):
+        with open(os.path.expanduser(value), encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{}\n"):
+        try:
+            _compile(value)  # a syntax error now, not at the first request
+        except InvalidRequest as exc:
+            raise ValueError(f"--chat-template: {exc}") from None
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
+
+
 def render_chat_template(
     template: str | None,
     messages: Any,
@@ -48,7 +64,9 @@ def render_chat_template(
 ) -> str:
     """The prompt text for `messages`; every user-facing problem is an InvalidRequest."""
     if not template:
-        raise InvalidRequest("the model has no chat template", param="messages")
+        raise InvalidRequest(
+            "the model has no chat template (a base model?): start the server with --chat-template "
+            "FILE_OR_JINJA, or use /v1/completions with a prompt", param="messages")
     extra = dict(chat_template_kwargs or {})
     if clash := sorted(_RESERVED & extra.keys()):
         raise InvalidRequest(

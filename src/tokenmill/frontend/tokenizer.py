@@ -7,6 +7,7 @@ Hugging Face's. Everything per request (encode, decode, streaming) goes straight
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -107,6 +108,12 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer with `template` in place of the model's templates (`--chat-template`)."""
+        other = copy.copy(self)
+        other._chat_template, other._named_templates = template, {}
+        return other
 
     # --- chat -----------------------------------------------------------------------------------
 

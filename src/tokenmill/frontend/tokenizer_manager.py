@@ -108,8 +108,10 @@ class TokenizerManager:
     RETRY_AFTER_S = 1
 
     def __init__(self, ctx: zmq.asyncio.Context, paths: IpcPaths, model_path: str, metrics: MetricsSink,
-                 max_queued_requests: int | None = None, channels: tuple[Any, Any] | None = None) -> None:
+                 max_queued_requests: int | None = None, channels: tuple[Any, Any] | None = None,
+                 chat_template: str | None = None) -> None:
         self.model_path = model_path
+        self.chat_template = chat_template  # --chat-template: replaces the model's own
         # Bound on sequences admitted but not yet producing output (waiting, or in prefill); None:
         # sized from the KV pool once the scheduler reports it (queued_bound).
         self.max_queued_requests = max_queued_requests
@@ -141,6 +143,8 @@ class TokenizerManager:
         """Load the tokenizer, wait for both children's handshake, then push one real request through."""
         try:
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, self.model_path)
+            if self.chat_template is not None:
+                self.tokenizer = self.tokenizer.with_chat_template(self.chat_template)
         except Exception as exc:
             self.mark_unhealthy(f"cannot load the tokenizer: {exc}")
             return False

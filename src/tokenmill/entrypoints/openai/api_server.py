@@ -83,6 +83,7 @@ class ServerConfig:
     # --data-parallel-size / --load-balance-method: replicas behind a router (frontend/dp_router.py)
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     tokenizer_workers: int = 0  # --tokenizer-workers: processes for templates + tokenization (0: a thread)
+    chat_template: str | None = None  # --chat-template's text: replaces the model's (or gives a base model one)
 
 
 class ServerState:
@@ -123,7 +124,7 @@ def build_app(
         metrics = ServerMetrics(lambda: server.manager.stats, lambda: server.manager.num_queued,
                                 router.replica_stats if router else None)
         manager = TokenizerManager(ctx, paths, config.model_path, metrics, config.max_queued_requests,
-                                   (router, router) if router else None)
+                                   (router, router) if router else None, config.chat_template)
         server.attach(manager, metrics, reasoning_parser, tool_parser)
         children = ChildProcesses(paths, config.engine, config.served_model_name, config.log_level, dp)
         children.start()
