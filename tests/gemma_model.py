@@ -39,3 +39,27 @@ def llama_tokenize_or_skip() -> str:
     if tool is None:
         pytest.skip("needs llama.cpp's llama-tokenize (../shared/tools/build-llama-cpp.sh builds it)")
     return tool
+
+
+@functools.lru_cache(maxsize=1)
+def gemma_weights():
+    """The file's weights, loaded once per process (dequantizing its K-quants takes a while)."""
+    from tokenmill.model.loader import load_weights
+
+    return load_weights(gemma_gguf_or_skip())
+
+
+def gemma_runner(precision: str, num_pages: int = 128, page_size: int = 16, quantization: str = "auto"):
+    """A runner of the real model in `precision`, built as model/builder.py builds one."""
+    import torch
+
+    from tokenmill.model.layers.factory import LayerPolicy, requantize_for_fast_path
+    from tokenmill.model.registry import model_class
+    from tokenmill.model.runner import ModelRunner
+
+    loaded = gemma_weights()
+    policy = LayerPolicy(precision, quantization)
+    weights = requantize_for_fast_path(loaded.weights, loaded.gguf_types, policy)
+    model = model_class(loaded.config.architecture)(loaded.config, weights, 4096, policy=policy)
+    kv = torch.bfloat16 if precision == "fast" else torch.float32
+    return ModelRunner(model, num_pages, page_size, kv)
