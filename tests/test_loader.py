@@ -208,7 +208,9 @@ def test_gguf_suffix_without_magic(tmp_path):
 def test_unknown_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(
-        ModelLoadError, match=r"unsupported model_type 'gpt2' \(supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe\)"
+        ModelLoadError,
+        match=r"unsupported model_type 'gpt2' \(supported: gemma2, gemma3_text, llama, mistral, mixtral, qwen2, "
+              r"qwen2_moe, qwen3, qwen3_moe\)",
     ) as e:
         load_weights(str(tmp_path))
     assert str(tmp_path / "config.json") in str(e.value)
@@ -243,7 +245,7 @@ def test_unsupported_gguf_architecture(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        ModelLoadError, match=r"unsupported architecture 'phi2' \(supported: llama, qwen2, qwen3\)"
+        ModelLoadError, match=r"unsupported architecture 'phi2' \(supported: gemma2, gemma3, llama, qwen2, qwen3\)"
     ):
         load_weights(str(path))
 
