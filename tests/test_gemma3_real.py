@@ -33,6 +33,7 @@ def test_config_of_the_file():
     assert config.sliding_window == 512
     assert [i for i in range(18) if not config.is_sliding(i)] == [5, 11, 17]
     assert config.tie_word_embeddings and config.bos_token_id == 2
+    assert config.eos_token_ids == (1, 106)  # <eos>, and <end_of_turn> as llama.cpp adds it
 
 
 def test_greedy_text_is_sensible(llm):

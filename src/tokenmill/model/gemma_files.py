@@ -23,6 +23,7 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.gguf_metadata import read_gguf_metadata
 
 # HF model_type / GGUF architecture -> registry key.
 HF_MODEL_TYPES = {"gemma2": "gemma2", "gemma3_text": "gemma3"}
@@ -129,8 +130,12 @@ def hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t + 1.0 if name.endswith("norm.weight") else t for name, t in weights.items()}
 
 
-def gguf_config(config: ModelConfig, meta: Callable[[str], Any], arch: str) -> ModelConfig:
+def gguf_config(config: ModelConfig, meta: Callable[[str], Any], arch: str, path: str) -> ModelConfig:
     """The generic GGUF config with Gemma's fields added (`meta(key)`: a metadata value or None)."""
+    # llama.cpp ends generation on <end_of_turn> too (llama-vocab.cpp's end-of-generation texts),
+    # which instruction-tuned Gemma files do not name in their metadata.
+    tokens = read_gguf_metadata(path).get("tokenizer.ggml.tokens") or []
+    end_of_turn = [i for i, text in enumerate(tokens) if text == "<end_of_turn>"]
     window = meta(f"{arch}.attention.sliding_window")
     heads_dim = config.hidden_size // config.num_heads
     scalar = heads_dim if config.num_layers == _27B_LAYERS[arch] else config.head_dim
@@ -142,6 +147,7 @@ def gguf_config(config: ModelConfig, meta: Callable[[str], Any], arch: str) -> M
         query_pre_attn_scalar=float(scalar),
         attn_logit_softcapping=_cap(meta(f"{arch}.attn_logit_softcapping")),
         final_logit_softcapping=_cap(meta(f"{arch}.final_logit_softcapping")),
+        eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *end_of_turn])),
     )
 
 

@@ -208,7 +208,7 @@ def _config(reader: GGUFFile, path: str, arch: str) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(int(t) for t in eos if t is not None)),
     )
     if arch in gemma_files.GGUF_ARCHITECTURES:
-        config = gemma_files.gguf_config(config, lambda key: _meta(reader, key), arch)
+        config = gemma_files.gguf_config(config, lambda key: _meta(reader, key), arch, path)
     return config
 
 
