@@ -53,13 +53,12 @@ def gemma_runner(precision: str, num_pages: int = 128, page_size: int = 16, quan
     """A runner of the real model in `precision`, built as model/builder.py builds one."""
     import torch
 
-    from tokenmill.model.layers.factory import LayerPolicy, requantize_for_fast_path
+    from tokenmill.model.layers.factory import LayerPolicy
     from tokenmill.model.registry import model_class
     from tokenmill.model.runner import ModelRunner
 
     loaded = gemma_weights()
     policy = LayerPolicy(precision, quantization)
-    weights = requantize_for_fast_path(loaded.weights, loaded.gguf_types, policy)
-    model = model_class(loaded.config.architecture)(loaded.config, weights, 4096, policy=policy)
+    model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, 4096, policy=policy)
     kv = torch.bfloat16 if precision == "fast" else torch.float32
     return ModelRunner(model, num_pages, page_size, kv)
