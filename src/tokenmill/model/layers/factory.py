@@ -20,13 +20,12 @@ from tokenmill.model.layers.quantized_linear import NEVER_DENSE, QuantizedEmbedd
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight, quantize_int4, quantize_int8
 
 Weight = torch.Tensor | QuantizedWeight
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
 class LayerPolicy:
     precision: str = "exact"  # "exact" | "fast"
-    quantization: str = "auto"  # see QUANTIZATIONS
+    quantization: str = "auto"  # one of model/quantization_modes.py's QUANTIZATIONS
     bf16_min_rows: int = 4
 
     @property
