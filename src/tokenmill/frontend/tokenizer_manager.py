@@ -12,6 +12,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
@@ -42,6 +43,8 @@ from tokenmill.ipc.messages import (
     TextOutput,
     ToMain,
 )
+from tokenmill.model.tokenizer_export import export as export_tokenizer
+from tokenmill.model.tokenizer_export import handoff_path
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sample.sampling_params import OutputKind, SamplingParams
 
@@ -110,6 +113,8 @@ class TokenizerManager:
     def __init__(self, ctx: zmq.asyncio.Context, paths: IpcPaths, model_path: str, metrics: MetricsSink,
                  max_queued_requests: int | None = None, channels: tuple[Any, Any] | None = None) -> None:
         self.model_path = model_path
+        # Where the tokenizer is exported for this process and the detokenizers (model/tokenizer_export.py).
+        self.tokenizer_file = handoff_path(paths.directory)
         # Bound on sequences admitted but not yet producing output (waiting, or in prefill); None:
         # sized from the KV pool once the scheduler reports it (queued_bound).
         self.max_queued_requests = max_queued_requests
@@ -139,8 +144,12 @@ class TokenizerManager:
     # ---- start-up ----------------------------------------------------------------------------
     async def start(self) -> bool:
         """Load the tokenizer, wait for both children's handshake, then push one real request through."""
+        model = os.path.abspath(os.path.expanduser(self.model_path))
         try:
-            self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, self.model_path)
+            # Built in a child process (transformers imports torch; this process stays torch-free), which
+            # also hands it to the detokenizers.
+            files = await asyncio.to_thread(export_tokenizer, model, self.tokenizer_file)
+            self.tokenizer = Tokenizer.from_files(files)
         except Exception as exc:
             self.mark_unhealthy(f"cannot load the tokenizer: {exc}")
             return False
