@@ -23,6 +23,7 @@ import time
 
 import zmq
 
+from tokenmill.engine.memory_trim import malloc_trim
 from tokenmill.frontend.output_state import RequestOutputState
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.ipc.channels import DETOKENIZER, MAIN, SCHEDULER, IpcPaths, Receiver, Sender
@@ -153,7 +154,9 @@ def run(tokenizer: Tokenizer, inbox: Receiver, to_main: Sender, to_scheduler: Se
 
 def _load_tokenizer(tokenizer_file: str | None, model: str | None) -> Tokenizer:
     if tokenizer_file is not None:
-        return Tokenizer.from_files(wait_for_tokenizer(tokenizer_file, model or "", parent_alive))
+        tokenizer = Tokenizer.from_files(wait_for_tokenizer(tokenizer_file, model or "", parent_alive))
+        malloc_trim()  # parsing it leaves ~30 MB of freed heap resident (docs/benchmarks.md)
+        return tokenizer
     from tokenmill.model.default_model import default_model_path
 
     return Tokenizer.from_model_path(model or default_model_path())

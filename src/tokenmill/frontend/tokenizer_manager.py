@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq.asyncio
 
+from tokenmill.engine.memory_trim import malloc_trim
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.live_bound import check_live
 from tokenmill.frontend.live_latency import LiveLatency
@@ -150,6 +151,7 @@ class TokenizerManager:
             # also hands it to the detokenizers.
             files = await asyncio.to_thread(export_tokenizer, model, self.tokenizer_file)
             self.tokenizer = Tokenizer.from_files(files)
+            malloc_trim()  # parsing it leaves ~30 MB of freed heap resident (docs/benchmarks.md)
         except Exception as exc:
             self.mark_unhealthy(f"cannot load the tokenizer: {exc}")
             return False
