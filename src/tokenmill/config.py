@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, fields
 
 from tokenmill.errors import InvalidRequest
-from tokenmill.model.layers.factory import QUANTIZATIONS
+from tokenmill.model.quantization_modes import QUANTIZATIONS
 
 PRECISIONS = ("exact", "fast")
 # How K/V are stored in the page pool (model/kv_cache_format.py has the row formats).

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import tokenmill
 from tests.test_fidelity import assert_all_match, cases
 from tests.tiny_models import make_tiny_model
 from tokenmill.entrypoints.llm import LLM
@@ -53,19 +54,32 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, arch):
     assert len(workers) == 1 and _gone(workers[0], 10), "rank 1 outlived shutdown()"
 
 
-def test_ranks_end_with_the_process_that_started_them(tmp_path):
+# How the engine's script ends: normally without shutdown() (the ranks are stopped at exit, so no rank
+# warns), or abruptly (os._exit: as if the engine process died; its ranks warn, and never outlive it).
+@pytest.mark.parametrize("ending", ["", "os._exit(0)\n"], ids=["normal", "died"])
+def test_ranks_end_with_the_process_that_started_them(tmp_path, ending):
     folder = str(make_tiny_model(tmp_path, "llama"))
     script = (
         "import os, sys\n"
         "from tokenmill.entrypoints.llm import LLM\n"
+        "from tokenmill.sample.sampling_params import SamplingParams\n"
         f"llm = LLM({folder!r}, num_threads=2, tensor_parallel_size=2, kv_cache_tokens=1024)\n"
+        "llm.generate(['hello'], SamplingParams(max_tokens=2))\n"
         "print(llm.engine.runner.workers[0].pid, flush=True)\n"
-        "os._exit(0)\n"  # no shutdown(): as if the engine process died
+        f"{ending}"
     )
+    # The rank inherits stderr: its log lines are in out.stderr (run() waits until it closes too).
+    # The same tokenmill as this process imports (a checkout's src/ may come before an installed copy).
+    path = os.pathsep.join([os.path.dirname(os.path.dirname(tokenmill.__file__)), os.getcwd()])
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         env={**os.environ, "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr
     assert _gone(int(out.stdout.split()[-1]), 10), "a rank outlived its engine process"
+    warnings = [line for line in out.stderr.splitlines() if "WARNING" in line]
+    if ending:
+        assert warnings and all("rank 1:" in line for line in warnings), out.stderr
+    else:
+        assert warnings == [], out.stderr
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """`tokenmill serve --tokenizer-workers 2` end to end (issue 12), with small admission bounds:
 requests are tokenized in the workers (same ids as in-process), a prompt certainly too long is
 refused before tokenizing (issue 15), a burst beyond the live bound gets 503s while every admitted
-request completes in full, and no worker outlives the server."""
+request completes in full, and no worker outlives the server. Only the scheduler maps libtorch: the
+API process, the detokenizer and the workers handle text and ids (issue 21)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 import pytest
 
 from tests.frontend.conftest import bundled_gguf_path
-from tests.server.server_process import ServerProcess
+from tests.server.server_process import ServerProcess, child_pid
 from tokenmill.frontend.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,11 @@ def spawned_children(pid: int) -> list[int]:
         if ppid == pid and b"spawn_main" in cmdline:
             found.append(int(entry))
     return found
+
+
+def maps_libtorch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
 
 
 def test_tokenizer_workers_serve_bound_admission_and_exit_with_the_server():
@@ -89,6 +95,10 @@ def test_tokenizer_workers_serve_bound_admission_and_exit_with_the_server():
         alone = send(first).json()  # ... the same text as when it runs alone
         assert served[first]["choices"][0]["text"] == alone["choices"][0]["text"]
         assert "admission: at most 4 live sequences" in server.log_text()
+        # After serving (the workers have unpickled the serving code's functions by now):
+        text_processes = [server.proc.pid, child_pid(server.proc.pid, "detokenizer_process"), *workers]
+        assert [pid for pid in text_processes if maps_libtorch(pid)] == []
+        assert maps_libtorch(child_pid(server.proc.pid, "scheduler_process"))  # the check sees it where it is
     finally:
         server.stop()
     deadline = time.monotonic() + 10

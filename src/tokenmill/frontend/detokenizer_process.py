@@ -23,6 +23,7 @@ import time
 
 import zmq
 
+from tokenmill.engine.memory_trim import malloc_trim
 from tokenmill.frontend.output_state import RequestOutputState
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.ipc.channels import DETOKENIZER, MAIN, SCHEDULER, IpcPaths, Receiver, Sender
@@ -41,6 +42,7 @@ from tokenmill.ipc.messages import (
     TokenOutput,
     ToScheduler,
 )
+from tokenmill.model.tokenizer_export import wait_for as wait_for_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -150,10 +152,23 @@ def run(tokenizer: Tokenizer, inbox: Receiver, to_main: Sender, to_scheduler: Se
         detok.refused.clear()
 
 
+def _load_tokenizer(tokenizer_file: str | None, model: str | None) -> Tokenizer:
+    if tokenizer_file is not None:
+        tokenizer = Tokenizer.from_files(wait_for_tokenizer(tokenizer_file, model or "", parent_alive))
+        malloc_trim()  # parsing it leaves ~30 MB of freed heap resident (docs/benchmarks.md)
+        return tokenizer
+    from tokenmill.model.default_model import default_model_path
+
+    return Tokenizer.from_model_path(model or default_model_path())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="tokenmill detokenizer process (started by `tokenmill serve`)")
     parser.add_argument("--ipc-dir", required=True)
     parser.add_argument("--model", default=None)
+    # Written by the API server (model/tokenizer_export.py); waited for, so this process needs neither
+    # transformers nor torch. Without it, the tokenizer is built here from --model.
+    parser.add_argument("--tokenizer-file", default=None)
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--parent-pid", type=int, default=None)
     parser.add_argument("--max-states", type=int, default=MAX_STATES, help="requests in flight at most")
@@ -163,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     to_main = Sender(ctx, paths.address(MAIN))
     try:
-        from tokenmill.model.default_model import default_model_path
-
-        tokenizer = Tokenizer.from_model_path(args.model or default_model_path())
+        tokenizer = _load_tokenizer(args.tokenizer_file, args.model)
         inbox = Receiver(ctx, paths.address(DETOKENIZER), ToDetokenizer)
         to_scheduler = Sender(ctx, paths.address(SCHEDULER))
         to_main.send(DetokenizerReady())

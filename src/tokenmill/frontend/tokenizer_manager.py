@@ -12,6 +12,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq.asyncio
 
+from tokenmill.engine.memory_trim import malloc_trim
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.live_bound import check_live
 from tokenmill.frontend.live_latency import LiveLatency
@@ -42,6 +44,8 @@ from tokenmill.ipc.messages import (
     TextOutput,
     ToMain,
 )
+from tokenmill.model.tokenizer_export import export as export_tokenizer
+from tokenmill.model.tokenizer_export import handoff_path
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sample.sampling_params import OutputKind, SamplingParams
 
@@ -112,6 +116,8 @@ class TokenizerManager:
                  chat_template: str | None = None) -> None:
         self.model_path = model_path
         self.chat_template = chat_template  # --chat-template: replaces the model's own
+        # Where the tokenizer is exported for this process and the detokenizers (model/tokenizer_export.py).
+        self.tokenizer_file = handoff_path(paths.directory)
         # Bound on sequences admitted but not yet producing output (waiting, or in prefill); None:
         # sized from the KV pool once the scheduler reports it (queued_bound).
         self.max_queued_requests = max_queued_requests
@@ -141,8 +147,13 @@ class TokenizerManager:
     # ---- start-up ----------------------------------------------------------------------------
     async def start(self) -> bool:
         """Load the tokenizer, wait for both children's handshake, then push one real request through."""
+        model = os.path.abspath(os.path.expanduser(self.model_path))
         try:
-            self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, self.model_path)
+            # Built in a child process (transformers imports torch; this process stays torch-free), which
+            # also hands it to the detokenizers.
+            files = await asyncio.to_thread(export_tokenizer, model, self.tokenizer_file)
+            self.tokenizer = Tokenizer.from_files(files)
+            malloc_trim()  # parsing it leaves ~30 MB of freed heap resident (docs/benchmarks.md)
             if self.chat_template is not None:
                 self.tokenizer = self.tokenizer.with_chat_template(self.chat_template)
         except Exception as exc:

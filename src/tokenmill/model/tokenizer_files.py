@@ -20,8 +20,6 @@ from typing import Any
 import tokenizers
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.gguf_metadata import read_gguf_metadata
-from tokenmill.model.spm_vocab import build_spm_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +81,11 @@ def _load_gguf(path: str) -> TokenizerFiles:
 
 
 def _spm_backend(path: str) -> tokenizers.Tokenizer:
+    # Load time only, like transformers above: the GGUF reader needs numpy, which the server's text
+    # processes (they import this module for the tokenizer's files) never load.
+    from tokenmill.model.gguf_metadata import read_gguf_metadata
+    from tokenmill.model.spm_vocab import build_spm_tokenizer
+
     meta = read_gguf_metadata(path)
     tokens = meta.get("tokenizer.ggml.tokens")
     scores, types = meta.get("tokenizer.ggml.scores"), meta.get("tokenizer.ggml.token_type")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import weakref
 
 import msgspec
 import torch
@@ -36,7 +37,11 @@ class TensorParallelRunner:
         self.model = inner.model
         self.page_size, self.num_pages, self.kv_caches = inner.page_size, inner.num_pages, inner.kv_caches
         self.kv_format, self.kv_bytes_per_token = inner.kv_format, inner.kv_bytes_per_token
-        self._closed = False
+        # A script that ends without shutdown() (no `with LLM(...)`) must still stop the ranks before
+        # the interpreter's exit closes the group's sockets under them: each would otherwise log that
+        # the group broke ("Connection closed by peer") on a normal exit. finalize runs at exit, or
+        # when the runner is collected, and holds the group and the workers, never the runner.
+        self._stop = weakref.finalize(self, _stop_ranks, group, self.workers)
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         self.group.broadcast_bytes(_encode(chunks))
@@ -48,20 +53,21 @@ class TensorParallelRunner:
         return self.inner.execute_pooled(chunks)
 
     def shutdown(self) -> None:
-        """Tells the other ranks to stop, and waits for the ones this process started."""
-        if self._closed:
-            return
-        self._closed = True
+        """Tells the other ranks to stop, and waits for the ones this process started (once)."""
+        self._stop()
+
+
+def _stop_ranks(group: TensorParallelGroup, workers: list[subprocess.Popen]) -> None:
+    try:
+        group.broadcast_bytes(STOP)
+    except RuntimeError as exc:  # a rank already gone: nothing left to tell it
+        logger.warning("tensor-parallel stop not delivered: %s", exc)
+    for proc in workers:
         try:
-            self.group.broadcast_bytes(STOP)
-        except RuntimeError as exc:  # a rank already gone: nothing left to tell it
-            logger.warning("tensor-parallel stop not delivered: %s", exc)
-        for proc in self.workers:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        self.group.close()
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    group.close()
 
 
 def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> int:

@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -24,14 +25,37 @@ from tokenmill.parallel.sharding import TensorParallelShard
 
 logger = logging.getLogger(__name__)
 PARENT_POLL_S = 0.5
+# How long a SIGTERM waits to learn whether the engine process is dying (see _watch).
+DEATH_GRACE_S = 2.0
 
 
-def _exit_with_parent() -> None:
-    # The main thread sits inside a collective most of the time, where Python signal handlers don't
-    # run; this thread notices the parent's death and ends the process from outside.
-    while parent_alive():
-        time.sleep(PARENT_POLL_S)
-    os._exit(0)
+def _watch(rank: int, wakeup: int) -> None:
+    """Ends the process from outside the main thread, which sits inside a collective most of the time,
+    where Python signal handlers don't run (the C-level one still writes the signal to `wakeup`)."""
+    while True:
+        signalled, _, _ = select.select([wakeup], [], [], PARENT_POLL_S)
+        if signalled:
+            os.read(wakeup, 64)
+            # The engine's death signal comes when the thread that started this process dies, and its
+            # other threads may still be exiting, our parent id still theirs: give it a moment to tell.
+            deadline = time.monotonic() + DEATH_GRACE_S
+            while parent_alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if not parent_alive():
+            # A real break: a normal end stops the ranks first (parallel/runner.py), so this warns only
+            # when the engine process died (its death signal, PR_SET_PDEATHSIG, is the SIGTERM here).
+            logger.warning("rank %d: the engine process died without stopping the group; exiting", rank)
+            os._exit(1)
+        if signalled:  # SIGTERM with the engine alive: asked to stop; nothing to flush
+            os._exit(0)
+
+
+def _watch_in_background(rank: int) -> None:
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the watcher acts on it
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(rank, read), daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=None)
     args = parser.parse_args(argv)
     child_process_setup(f"tp-rank{args.rank}", args.log_level, args.parent_pid)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing to flush: end at once, even mid-collective
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    _watch_in_background(args.rank)
     config = EngineConfig.from_kwargs(**json.loads(args.config))
     set_rank_threads(config)
     group = TensorParallelGroup(args.rank, config.tensor_parallel_size,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from tokenmill.config import DataParallelConfig, EngineConfig
 from tokenmill.ipc.channels import IpcPaths
+from tokenmill.model.tokenizer_export import handoff_path
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class ChildProcesses:
                      "--config", json.dumps(dataclasses.asdict(config))]
         if self.served_model_name:
             scheduler += ["--served-model-name", self.served_model_name]
-        detokenizer = [sys.executable, "-m", "tokenmill.frontend.detokenizer_process", *common]
+        # The API process exports the tokenizer for every detokenizer (model/tokenizer_export.py).
+        detokenizer = [sys.executable, "-m", "tokenmill.frontend.detokenizer_process", *common,
+                       "--tokenizer-file", handoff_path(self.paths.directory)]
         if config.model:
             detokenizer += ["--model", config.model]
         if replica is None:

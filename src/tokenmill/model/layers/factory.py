@@ -26,7 +26,6 @@ from tokenmill.model.quant import BlockedWeight, QuantizedWeight, quantize_int4,
 from tokenmill.model.quant_formats import GGUFWeight
 
 Weight = torch.Tensor | GGUFWeight | QuantizedWeight | BlockedWeight
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
 _PACKED = (QuantizedWeight, BlockedWeight)
 
 
@@ -51,7 +50,7 @@ class Fallback:
 @dataclass(frozen=True)
 class LayerPolicy:
     precision: str = "exact"  # "exact" | "fast"
-    quantization: str = "auto"  # see QUANTIZATIONS
+    quantization: str = "auto"  # one of model/quantization_modes.py's QUANTIZATIONS
     bf16_min_rows: int = 4
     fallbacks: list[Fallback] = field(default_factory=list, compare=False, repr=False)
 

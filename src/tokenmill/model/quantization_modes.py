@@ -1,0 +1,12 @@
+"""The names `--quantization` accepts, apart from the layers that act on them.
+
+`tokenmill.config` validates them, and config is imported by every process of the server, including
+the API process and the detokenizer, which never hold a tensor: the layer factory that gives the names
+their meaning imports torch, so the names live here, torch-free, and both sides import them.
+"""
+
+from __future__ import annotations
+
+# auto: keep a file's quantized weights as they are; none: dequantize them; int8 / int4: also
+# quantize dense weights at load (model/layers/factory.py).
+QUANTIZATIONS = ("auto", "none", "int8", "int4")

@@ -1,0 +1,122 @@
+"""The tokenizer a model's files define, built once in a short-lived process and handed to the
+server's text processes as one JSON file.
+
+Building it needs transformers (tokenizer_files.py: so the ids match Hugging Face's), and transformers
+5 imports torch on `import transformers` whenever torch is installed, with no switch to stop it. The
+server's API process, its detokenizer and its tokenizer workers handle text and ids only, and torch
+would cost each of them ~250 MB (docs/benchmarks.md, "Server memory: torch only in the scheduler").
+So `tokenmill serve` builds the tokenizer in a child that exits once it has written the file
+(`python -m tokenmill.model.tokenizer_export MODEL OUT`), and the text processes read the file with
+the `tokenizers` package alone. It is the same tokenizer: `tokenizers` serializes its whole state
+(vocabulary, merges, added tokens, normalizer, pre-tokenizer, post-processor, decoder), the form it
+also pickles in. A build that fails writes its error instead, so whoever waits for the file learns why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import tokenizers
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.model.tokenizer_files import TokenizerFiles, load_tokenizer_files
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+HANDOFF_FILE = "tokenizer.json"  # its name in the server's IPC directory
+_WAIT_POLL_S = 0.05
+
+
+def handoff_path(directory: str) -> str:
+    """Where `tokenmill serve` puts the exported tokenizer: in its IPC directory, removed with it."""
+    return os.path.join(directory, HANDOFF_FILE)
+
+
+def write(path: str, files: TokenizerFiles | None, error: str | None = None) -> None:
+    """The file, or the build's error; atomic (renamed into place), so a reader never sees half of it."""
+    if files is None:
+        body: dict = {"format": FORMAT, "error": error or "unknown error"}
+    else:
+        body = {
+            "format": FORMAT,
+            "tokenizer": files.backend.to_str(),
+            "bos_token_id": files.bos_token_id,
+            "eos_token_ids": sorted(files.eos_token_ids),
+            "eos_token": files.eos_token,
+            "chat_template": files.chat_template,
+            "named_chat_templates": dict(files.named_chat_templates),
+        }
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump(body, f)
+    os.replace(partial, path)
+
+
+def read(path: str, model: str = "") -> TokenizerFiles:
+    """The tokenizer in the file `write` made; raises ModelLoadError (naming `model`) if it holds an error."""
+    with open(path, encoding="utf-8") as f:
+        body = json.load(f)
+    if body.get("format") != FORMAT:
+        raise ModelLoadError(model or path, f"tokenizer file {path} has format {body.get('format')!r}, not {FORMAT}")
+    if "error" in body:
+        raise ModelLoadError(model or path, body["error"])
+    return TokenizerFiles(
+        tokenizers.Tokenizer.from_str(body["tokenizer"]),
+        bos_token_id=body["bos_token_id"],
+        eos_token_ids=frozenset(body["eos_token_ids"]),
+        eos_token=body["eos_token"],
+        chat_template=body["chat_template"],
+        named_chat_templates=body["named_chat_templates"],
+    )
+
+
+def export(model: str, path: str) -> TokenizerFiles:
+    """Build the tokenizer of `model` (absolute path) in a child process, write it to `path`, read it
+    back. Blocks for the child's seconds (transformers' import and the build): call it off the loop."""
+    # stderr is inherited: the build's own warnings belong in the server's log.
+    proc = subprocess.run([sys.executable, "-m", __name__, model, path], stdin=subprocess.DEVNULL, check=False)
+    if not os.path.exists(path):  # the child died before it could write even its error
+        write(path, None, f"the tokenizer export process exited with {proc.returncode}")
+    return read(path, model)
+
+
+def wait_for(path: str, model: str = "", keep_waiting: Callable[[], bool] = lambda: True) -> TokenizerFiles:
+    """The tokenizer another process is exporting to `path`, once it is there (a detokenizer starts
+    beside the export, not after it); stops with ModelLoadError when keep_waiting() turns False."""
+    while not os.path.exists(path):
+        if not keep_waiting():
+            raise ModelLoadError(model or path, f"stopped waiting for the tokenizer file {path}")
+        time.sleep(_WAIT_POLL_S)
+    return read(path, model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build a model's tokenizer and write it for tokenmill's text processes")
+    parser.add_argument("model", help="absolute path of a .gguf file or a Hugging Face model folder")
+    parser.add_argument("out", help="the JSON file to write (the tokenizer, or the error)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s tokenizer-export[%(process)d] %(name)s: %(message)s")
+    try:
+        files = load_tokenizer_files(args.model)
+    except ModelLoadError as exc:
+        write(args.out, None, exc.problem)
+        return 1
+    except Exception as exc:  # the reader needs the cause either way, and this process ends here
+        logger.exception("building the tokenizer of %s failed", args.model)
+        write(args.out, None, f"{type(exc).__name__}: {exc}")
+        return 1
+    write(args.out, files)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
