@@ -111,10 +111,12 @@ class ServerProcess:
         self.children = children_of(self.proc.pid)
         self.ipc_dir = _ipc_dir(self.children[0]) if self.children else None
 
-    def log_text(self) -> str:
+    def log_text(self, tail: int | None = 6000) -> str:
+        """The log's last `tail` characters (enough for an error message), or all of it with None (a
+        server shared by several modules logs a line per request after its start-up lines)."""
         try:
             with open(self.log_path, errors="replace") as f:
-                return f.read()[-6000:]
+                return f.read()[-tail:] if tail else f.read()
         except FileNotFoundError:
             return "(log removed)"
 
