@@ -1,6 +1,7 @@
 """A full agent round trip through the official SDK on a real `tokenmill serve` with the bundled model:
 a forced call, the tool's result sent back (the assistant turn with tool_calls and null content, then a
-`tool` message), and a final answer whose prompt holds that result."""
+`tool` message), and a final answer whose prompt holds that result. The server is the session's shared
+one (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
+from tests.conftest import API_KEY, AUTH  # noqa: E402
 from tests.server.server_process import ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -25,16 +27,13 @@ RESULT = "It is 18 degrees and sunny in Paris."
 
 
 @pytest.fixture(scope="module")
-def server(request) -> ServerProcess:
-    srv = ServerProcess()
-    request.addfinalizer(srv.stop)  # raises if a child process outlives the server
-    srv.wait_ready()
-    return srv
+def server(api_server) -> ServerProcess:
+    return api_server
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def model_of(client: openai.OpenAI) -> str:
@@ -62,13 +61,15 @@ def test_call_result_and_final_answer(server, client):
     assert isinstance(choice.message.content, str) and choice.message.content
 
     # The second prompt is the one /tokenize renders from the same messages, and it holds the result.
-    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "tools": TOOLS}, timeout=60).json()
+    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "tools": TOOLS}, headers=AUTH,
+                        timeout=60).json()
     assert final.usage.prompt_tokens == tokens["count"]
-    prompt = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, timeout=60).json()["prompt"]
+    prompt = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH,
+                        timeout=60).json()["prompt"]
     assert f"<|im_start|>tool\n{RESULT}<|im_end|>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
     # SmolLM2's template shows no tool markup: no parser by default, said at start-up.
-    assert "tool calls: not parsed" in server.log_text()
+    assert "tool calls: not parsed" in server.log_text(tail=None)
 
 
 def test_malformed_tool_turns_are_a_400_naming_the_field(client):

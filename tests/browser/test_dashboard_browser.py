@@ -1,6 +1,6 @@
-"""The live dashboard against a real `tokenmill serve` (bundled model, one thread, --api-key): its
-event stream shows the load change while requests run, and in headless Chromium the page draws it
-with no console error and nothing fetched from elsewhere.
+"""The live dashboard against a real `tokenmill serve` (the session's shared one, tests/conftest.py:
+bundled model, one thread, --api-key): its event stream shows the load change while requests run,
+and in headless Chromium the page draws it with no console error and nothing fetched from elsewhere.
 
 The browser is Debian's `chromium` driven by Playwright through `executable_path` (never
 `playwright install`; .ci/run installs the package). Without a browser or Playwright the browser
@@ -15,18 +15,17 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.conftest import API_KEY as KEY
 from tests.server.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-KEY = "dashboard-key"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "dashboard.png"
@@ -43,13 +42,8 @@ def chromium_path() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--api-key", KEY)
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+def server(api_server) -> ServerProcess:
+    return api_server
 
 
 class Load:

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import tokenmill
+from tests.real_model import make_llm
 from tests.test_fidelity import assert_all_match, cases
 from tests.tiny_models import make_tiny_model
 from tokenmill.entrypoints.llm import LLM
@@ -151,7 +152,7 @@ def test_three_ranks_in_fast_mode_keep_the_quantized_models_predictions():
 
     ids = cases()[0][0] + cases()[-1][0]
     chunk = SeqChunk(ids, 0, list(range(-(-len(ids) // 16))), sample=False, all_logits=True)
-    one = LLM(num_threads=1).engine.runner.execute([chunk])
+    one = make_llm(num_threads=1, precision="fast").engine.runner.execute([chunk])  # the session's weights
     with LLM(num_threads=3, tensor_parallel_size=3) as llm:
         three = llm.engine.runner.execute([chunk])
     assert three.shape == one.shape == (len(ids), 49152)

@@ -18,7 +18,6 @@ import openai
 import pytest
 
 from tests.frontend.conftest import bundled_gguf_path
-from tests.real_model import make_llm
 from tests.server.server_process import ServerProcess, children_of
 from tokenmill.sample.sampling_params import SamplingParams
 
@@ -41,8 +40,8 @@ def starting_server():
 
 
 @pytest.fixture(scope="module")
-def llm(starting_server):
-    return make_llm(kv_cache_tokens=8192, num_threads=1)  # built while the server loads
+def llm(starting_server, reference_llm):
+    return reference_llm  # built while the server loads, if not yet
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """POST /v1/embeddings through one real `tokenmill serve` on the bundled model, with the openai SDK:
 float and base64 encodings agree, a batch equals its inputs sent alone, usage counts the input tokens,
-bad input is a 400 naming the field, /metrics counts the requests, and no KV page stays held."""
+bad input is a 400 naming the field, /metrics counts the requests, and no KV page stays held. The
+server is the session's shared one (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import API_KEY, AUTH
 from tests.frontend.conftest import bundled_gguf_path
-from tests.server.server_process import ServerProcess
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,18 +26,13 @@ HIDDEN = 576  # SmolLM2-135M
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess()
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+def server(api_server):
+    return api_server
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def test_float_and_base64_agree(client):
@@ -59,7 +55,7 @@ def test_batch_of_strings_and_token_ids(client, server):
     for text, item in zip(texts, batch.data):
         alone = client.embeddings.create(model=batch.model, input=text).data[0].embedding
         assert max(abs(x - y) for x, y in zip(alone, item.embedding)) < 1e-5
-    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": texts[0]}).json()["tokens"]
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": texts[0]}, headers=AUTH).json()["tokens"]
     by_ids = client.embeddings.create(model=batch.model, input=[ids])
     assert max(abs(x - y) for x, y in zip(by_ids.data[0].embedding, batch.data[0].embedding)) < 1e-5
     assert by_ids.usage.prompt_tokens == len(ids)
@@ -75,7 +71,7 @@ def test_batch_of_strings_and_token_ids(client, server):
     ({"input": "word " * 9000}, "input"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server, body, param):
-    r = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60)
+    r = httpx.post(f"{server.url}/v1/embeddings", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
@@ -91,7 +87,7 @@ def test_metrics_count_embeddings_and_no_kv_is_held(server):
 
     deadline = time.monotonic() + 10
     while True:
-        text = httpx.get(f"{server.url}/metrics").text
+        text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
         if value(text, "tokenmill:kv_cache_usage_perc") == 0.0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -1,22 +1,22 @@
 """End to end through one real `tokenmill serve` on the bundled model, with the official openai SDK.
 
-The server starts once for the module (with --api-key). The last tests are destructive on purpose
-and run last, in file order: they kill the scheduler, then shut the server down.
+The server is the session's shared one (tests/conftest.py, with --api-key). What ends a server is
+tested on servers of their own: a killed scheduler in test_overload.py, SIGTERM in
+test_graceful_drain.py.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import httpx
 import openai
 import pytest
 
+from tests.conftest import API_KEY as KEY
+from tests.conftest import AUTH
 from tests.frontend.conftest import bundled_gguf_path
-from tests.real_model import make_llm
-from tests.server.server_process import ServerProcess, alive, child_pid
+from tests.server.server_process import ServerProcess
 from tokenmill.sample.sampling_params import SamplingParams
 
 pytestmark = [
@@ -26,29 +26,17 @@ pytestmark = [
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The history of the printing press begins"
-KEY = "sk-test-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def starting_server():
-    srv = ServerProcess("--api-key", KEY)
-    try:
-        yield srv
-    finally:
-        srv.stop()  # raises if any child process outlives the server
+def llm(api_server_starting, reference_llm):
+    return reference_llm  # built while the server loads the same model (when this module starts it)
 
 
 @pytest.fixture(scope="module")
-def llm(starting_server):
-    # Built while the server loads the same model, not after it.
-    return make_llm(kv_cache_tokens=8192, num_threads=1)
-
-
-@pytest.fixture(scope="module")
-def server(starting_server, llm) -> ServerProcess:
-    starting_server.wait_ready()
-    return starting_server
+def server(api_server_starting, llm) -> ServerProcess:
+    api_server_starting.wait_ready()
+    return api_server_starting
 
 
 @pytest.fixture(scope="module")
@@ -346,30 +334,3 @@ def test_api_key_is_required_everywhere_but_health(server):
         assert httpx.request(method, f"{server.url}{path}", json=body, headers=AUTH, timeout=60).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
-
-
-# ---- destructive: keep these last ---------------------------------------------------------------
-def test_killed_scheduler_fails_requests_and_health(server, client, model):
-    stream = iter(client.completions.create(model=model, prompt="Once upon a time", max_tokens=1000, stream=True,
-                                            extra_body={"ignore_eos": True}))
-    next(stream)
-    os.kill(child_pid(server.proc.pid, "scheduler_process"), signal.SIGKILL)
-    with pytest.raises(openai.APIError, match="scheduler"):  # the stream ends as an error, never hangs
-        for _ in stream:
-            pass
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{server.url}/health", timeout=30).status_code != 503 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    health = httpx.get(f"{server.url}/health", timeout=30)
-    assert health.status_code == 503 and "scheduler" in health.json()["error"]["message"]
-    with pytest.raises(openai.InternalServerError):  # 503: new requests are refused, not queued forever
-        client.completions.create(model=model, prompt="Hi", max_tokens=1)
-    assert "scheduler process exited" in server.log_text()
-
-
-def test_sigterm_shuts_everything_down(server):
-    detokenizer = child_pid(server.proc.pid, "detokenizer_process")
-    code = server.stop()  # raises if a child outlives the server
-    assert code in (0, -signal.SIGTERM)
-    assert not alive(detokenizer)
-    assert server.ipc_dir and not os.path.exists(server.ipc_dir)

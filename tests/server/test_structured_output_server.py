@@ -1,5 +1,6 @@
 """Structured output through a real `tokenmill serve`: response_format and vLLM's guided_* fields on chat
-and completions, and 400s naming the field for bad schemas (before anything is queued)."""
+and completions, and 400s naming the field for bad schemas (before anything is queued). The server is
+the session's shared one (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import re
 import httpx
 import pytest
 
+from tests.conftest import AUTH
 from tests.frontend.conftest import bundled_gguf_path
-from tests.server.server_process import ServerProcess
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -33,17 +34,12 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess()
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+def server(api_server):
+    return api_server
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+    return httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=120)
 
 
 def text_of(resp: httpx.Response) -> str:

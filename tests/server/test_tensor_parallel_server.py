@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from tests.frontend.conftest import bundled_gguf_path
-from tests.real_model import make_llm
 from tests.server.server_process import ServerProcess, alive
 from tokenmill.sample.sampling_params import SamplingParams
 
@@ -58,8 +57,8 @@ def complete(server, **body) -> dict:
     return resp.json()
 
 
-def test_greedy_text_equals_one_ranks(server):
-    expected = make_llm(num_threads=1).generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))[0]
+def test_greedy_text_equals_one_ranks(server, reference_llm):
+    expected = reference_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))[0]
     assert complete(server, max_tokens=24)["choices"][0]["text"] == expected.outputs[0].text
 
 
