@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.admission import check_prompt, resolve_max_tokens
+from tokenmill.engine.engine_stats import engine_stats
 from tokenmill.engine.kv_offload import KVOffload
 from tokenmill.engine.pooling import add_pooled_parts, pooling_request
 from tokenmill.engine.request import Request, RequestStatus
@@ -111,47 +113,13 @@ class EngineCore:
         `cache_salt` picks the prefix-cache namespace: requests with different salts never share
         cached KV (tenant isolation); requests without one share the common space.
         """
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequest(f"cache_salt must be a string, got {type(cache_salt).__name__}", param="cache_salt")
-        if request_id in self.requests:
-            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt")
+        check_prompt(request_id, prompt_token_ids, cache_salt, self.requests, self.vocab_size)
         n_prompt = len(prompt_token_ids)
         if isinstance(params, PoolingParams):
             self._add_pooling(request_id, prompt_token_ids, params)
             return
-        params.check_token_ids(self.vocab_size)
-        if params.priority != 0 and self.config.scheduling_policy != "priority":
-            raise InvalidRequest(
-                f"priority {params.priority} needs the priority scheduling policy (scheduling_policy='priority', "
-                "`serve --scheduling-policy priority`); this engine serves first come first served",
-                param="priority",
-            )
-        room = self.max_model_len - n_prompt
-        if room < 1:
-            raise InvalidRequest(
-                f"the prompt has {n_prompt} tokens; the context length is {self.max_model_len}, "
-                "which leaves no room for output",
-                param="prompt",
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise InvalidRequest(
-                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context length "
-                f"{self.max_model_len}",
-                param="max_tokens",
-            )
-        capacity = self.pool.num_pages * self.pool.page_size
-        if n_prompt + max_tokens > capacity:
-            raise InvalidRequest(
-                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
-                f"({capacity} tokens); raise kv_cache_tokens or lower max_tokens",
-                param="max_tokens",
-            )
+        max_tokens = resolve_max_tokens(params, n_prompt, self.vocab_size, self.max_model_len,
+                                        self.pool.num_pages * self.pool.page_size, self.config.scheduling_policy)
         if params.structured_output is not None:
             # Parsed now (a bad schema raises here, before queueing); compiled in the background.
             self._grammar_pending[request_id] = self.grammar_manager().submit(params.structured_output)
@@ -471,36 +439,7 @@ class EngineCore:
         return cache.num_pages == 0
 
     def stats(self) -> dict[str, int | float | str]:
-        total = self.pool.num_pages
-        free = self.pool.num_free
-        cached = self.scheduler.num_cached_pages
-        queries = self.scheduler.prefix_query_tokens
-        hits = self.scheduler.prefix_hit_tokens
-        return {
-            "kv_pages_total": total,
-            "kv_pages_free": free,  # in the pool; cached pages are not counted here
-            "kv_pages_in_use": total - free - cached,  # held by running requests (not by the tree)
-            "kv_pages_cached": cached,  # owned by the prefix tree, evictable unless a request locks them
-            "kv_page_size": self.pool.page_size,
-            # fp32, bf16 or int8 (model/kv_cache_format.py); the bytes count K and V of all layers
-            # (this rank's heads under tensor parallelism). A test's fake runner has neither.
-            "kv_cache_dtype": getattr(getattr(self.runner, "kv_format", None), "name", ""),
-            "kv_cache_bytes_per_token": getattr(self.runner, "kv_bytes_per_token", 0),
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_steps": self.num_steps,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
-            "prompt_tokens_computed_total": self.prompt_tokens_computed_total,
-            "pooling_requests_total": self.pooling_requests_total,
-            "prefix_cache_queries_tokens_total": queries,
-            "prefix_cache_hit_tokens_total": hits,
-            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-            **self.step_stats.as_dict(self.scheduler),  # kv_pages_evicted, preempted, step composition
-            **self.spec_stats.as_dict(),
-            **(self.scheduler.offload.stats() if self.scheduler.offload is not None else {}),
-        }
+        return engine_stats(self)
 
     def attach_disk_tier(self, offload: KVOffload) -> None:
         """The prefix cache's second tier (engine/kv_offload.py): pages the tree takes are written
