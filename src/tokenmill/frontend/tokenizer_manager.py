@@ -1,4 +1,4 @@
-"""The API server's side of the control plane: validation against the scheduler's limits, the
+"""The API server's side of the control plane: admission against the scheduler's limits, the
 request-state table (keyed by request id), routing outputs back to the waiting HTTP handlers, the
 start-up handshake and the end-to-end health probe.
 
@@ -27,6 +27,7 @@ from tokenmill.frontend.live_bound import check_live
 from tokenmill.frontend.live_latency import LiveLatency
 from tokenmill.frontend.output_merge import merge_pending
 from tokenmill.frontend.request_error import RequestError
+from tokenmill.frontend.request_limits import check_embedding_input, check_prompt
 from tokenmill.frontend.request_timelines import PromptStages, TimelineRing, frontend_view
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.ipc.channels import MAIN, SCHEDULER, AsyncReceiver, IpcPaths, Sender
@@ -245,34 +246,7 @@ class TokenizerManager:
         if not internal:
             self.check_queue(len(seqs), limits)
         for seq in seqs:
-            ids, params = seq.prompt_token_ids, seq.params
-            if not ids:
-                raise InvalidRequest("the prompt is empty", param=prompt_param)
-            bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest(
-                    f"prompt token id {bad} is outside the vocabulary (size {limits.vocab_size})", prompt_param
-                )
-            params.check_token_ids(limits.vocab_size)
-            room = limits.max_model_len - len(ids)
-            if room < 1:
-                raise RequestError(
-                    f"this model's context length is {limits.max_model_len} tokens, but the prompt has "
-                    f"{len(ids)} tokens, which leaves no room for output",
-                    400, prompt_param, "context_length_exceeded",
-                )
-            max_tokens = params.max_tokens if params.max_tokens is not None else room
-            if max_tokens > room:
-                raise RequestError(
-                    f"this model's context length is {limits.max_model_len} tokens; the prompt ({len(ids)} "
-                    f"tokens) + max_tokens ({max_tokens}) exceeds it",
-                    400, "max_tokens", "context_length_exceeded",
-                )
-            if len(ids) + max_tokens > limits.kv_capacity_tokens:
-                raise InvalidRequest(
-                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
-                    f"({limits.kv_capacity_tokens} tokens)", param="max_tokens",
-                )
+            check_prompt(seq.prompt_token_ids, seq.params, limits, prompt_param)
 
     def timeline(self, request_id: str) -> list[dict[str, Any]] | None:
         """Stage times of request `request_id`'s sequences: finished ones from the ring, running
@@ -368,14 +342,7 @@ class TokenizerManager:
         assert limits is not None
         self.check_queue(len(prompts), limits)
         for ids in prompts:
-            if not ids:
-                raise InvalidRequest("an input is empty", param=prompt_param)
-            bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {limits.vocab_size})", prompt_param)
-            if len(ids) > limits.max_model_len:
-                raise RequestError(f"this model's context length is {limits.max_model_len} tokens, but an input "
-                                   f"has {len(ids)} tokens", 400, prompt_param, "context_length_exceeded")
+            check_embedding_input(ids, limits, prompt_param)
         queue: asyncio.Queue = asyncio.Queue()
         rids = [f"{request_id}-{i}" for i in range(len(prompts))]
         vectors: list[bytes] = [b""] * len(rids)
