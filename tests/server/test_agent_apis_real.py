@@ -1,8 +1,8 @@
 """The agent protocols on a real `tokenmill serve` with the bundled model, driven by the real clients,
-unmodified but for base_url: the `openai` SDK's Responses calls, the OpenAI Agents SDK running an agent
+unmodified but for base_url and the key: the `openai` SDK's Responses calls, the OpenAI Agents SDK running an agent
 with a Python function tool, the `anthropic` SDK, and chat's forced calls that issue 25 found broken.
 On the 135M model calls are made under tool_choice required / named (grammar-constrained, so valid);
-free-form calls are the model's business. One server for the module."""
+free-form calls are the model's business. The session's shared server (conftest.py, --api-key)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
+from tests.conftest import API_KEY, AUTH  # noqa: E402
 from tests.server.server_process import ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -38,16 +39,13 @@ RESULT = "18 degrees and sunny."
 
 
 @pytest.fixture(scope="module")
-def server(request) -> ServerProcess:
-    srv = ServerProcess()
-    request.addfinalizer(srv.stop)
-    srv.wait_ready()
-    return srv
+def server(api_server) -> ServerProcess:
+    return api_server
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=180)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +119,7 @@ def test_an_openai_agents_sdk_agent_calls_a_python_tool_and_answers(server, mode
         seen.append(city)
         return RESULT
 
-    async_client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=180)
+    async_client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=180)
     agent = agents.Agent(
         name="weather", instructions="Answer with the weather the tool gives.", tools=[get_weather],
         model=agents.OpenAIResponsesModel(model=model, openai_client=async_client),
@@ -134,7 +132,7 @@ def test_an_openai_agents_sdk_agent_calls_a_python_tool_and_answers(server, mode
 
 
 def test_anthropic_messages_with_a_tool_round_trip(server, model):
-    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=180)
+    claude = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=180)
     user = [{"role": "user", "content": QUESTION}]
     # This SDK takes no `temperature` (the server's default, 1.0, samples): the named tool's grammar still
     # makes the call valid.
@@ -153,7 +151,7 @@ def test_anthropic_messages_with_a_tool_round_trip(server, model):
 
 
 def _finished_count(server: ServerProcess) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=60).text
+    text = httpx.get(f"{server.url}/metrics", timeout=60, headers=AUTH).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("tokenmill:request_success_total"))
 
@@ -161,10 +159,10 @@ def _finished_count(server: ServerProcess) -> float:
 def test_the_new_endpoints_share_timelines_metrics_and_the_request_log(server, client, model):
     before = _finished_count(server)
     resp = client.responses.create(model=model, input="Hi", max_output_tokens=4)
-    raw = httpx.post(f"{server.url}/v1/messages", timeout=120,
+    raw = httpx.post(f"{server.url}/v1/messages", timeout=120, headers={"x-api-key": API_KEY},
                      json={"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
     assert raw.status_code == 200 and raw.headers["x-request-id"] == raw.json()["id"]
     for request_id in (resp.id, raw.json()["id"]):
-        timeline = httpx.get(f"{server.url}/v1/requests/{request_id}/timeline", timeout=60)
+        timeline = httpx.get(f"{server.url}/v1/requests/{request_id}/timeline", timeout=60, headers=AUTH)
         assert timeline.status_code == 200 and timeline.json()["sequences"][0]["frontend"]["tokenized"] is not None
     assert _finished_count(server) >= before + 2

@@ -1,5 +1,6 @@
-"""Ollama's API through one real `tokenmill serve` on the bundled model, driven by the real `ollama`
-Python client, unmodified: chat and generate (streamed and not), tags, ps, show, embed, a tool call
+"""Ollama's API through the session's shared real `tokenmill serve` on the bundled model (conftest.py:
+started with --api-key, which guards /api/* as it does /v1/*), driven by the real `ollama` Python
+client, unmodified: chat and generate (streamed and not), tags, ps, show, embed, a tool call
 (grammar-constrained: tokenmill's `tool_choice` option), a JSON-schema format, a 501 for the model
 store and Ollama's error for an unknown model."""
 
@@ -10,8 +11,8 @@ import json
 import httpx
 import pytest
 
+from tests.conftest import AUTH
 from tests.frontend.conftest import bundled_gguf_path
-from tests.server.server_process import ServerProcess
 
 ollama = pytest.importorskip("ollama")
 
@@ -25,18 +26,13 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess()
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+def server(api_server):
+    return api_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return ollama.Client(host=server.url, timeout=120)
+    return ollama.Client(host=server.url, timeout=120, headers=AUTH)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +48,7 @@ def test_tags_ps_show_version(client, model, server):
     shown = client.show(model)
     assert "completion" in shown.capabilities and shown.modelinfo["general.architecture"] == "llama"
     assert "im_start" in shown.template  # SmolLM2's chat template
-    assert httpx.get(f"{server.url}/api/version").json()["version"]
+    assert httpx.get(f"{server.url}/api/version", headers=AUTH).json()["version"]
 
 
 def test_chat_and_its_stream_agree(client, model):
@@ -123,7 +119,7 @@ def test_errors_in_ollama_shape(client, server):
     with pytest.raises(ollama.ResponseError) as err:
         client.pull("llama3")
     assert err.value.status_code == 501 and "model store" in err.value.error
-    r = httpx.post(f"{server.url}/api/chat", json={"messages": CHAT, "options": {"temperature": "hot"}})
+    r = httpx.post(f"{server.url}/api/chat", json={"messages": CHAT, "options": {"temperature": "hot"}}, headers=AUTH)
     assert r.status_code == 400 and "options.temperature" in r.json()["error"]
     with pytest.raises(ollama.ResponseError) as err:
         client.delete("x")
