@@ -38,7 +38,8 @@ class ModelEntry:
     last_used: float = 0.0  # when its last request started or finished
     memory_bytes: int = 0  # measured while loaded; the estimate (file size) before its first load
     unload_at: float | None = None  # keep_alive's deadline for an idle model; None: the idle timeout
-    loads: int = 0  # how many times it was loaded (the tests and /api/ps see reloads)
+    loads: int = 0  # how many times it was loaded (/v1/models shows it: reloads are visible)
+    load_seconds: float | None = None  # how long its last load took (processes up to a first token)
 
     @property
     def resident(self) -> bool:

@@ -181,8 +181,9 @@ class ModelPool:
                                    "model_load_failed")
             entry.memory_bytes = engine.memory_bytes() or entry.memory_bytes
             entry.loads += 1
+            entry.load_seconds = time.monotonic() - tic
             entry.state = ModelState.LOADED
-            logger.info("loaded model %s in %.1f s (%.0f MiB resident)", entry.name, time.monotonic() - tic,
+            logger.info("loaded model %s in %.1f s (%.0f MiB resident)", entry.name, entry.load_seconds,
                         entry.memory_bytes / 2**20)
         except BaseException:
             if engine is not None:  # no half-started processes or sockets stay behind

@@ -221,7 +221,8 @@ def install_model_routes(app: FastAPI, pool: ModelPool, auth: list[Any]) -> None
         return {"id": entry.name, "object": "model", "created": now_s(), "owned_by": "tokenmill",
                 "root": entry.path, "max_model_len": limits.max_model_len if limits else None,
                 "status": entry.state.value, "loaded": entry.state is ModelState.LOADED,
-                "in_flight": entry.in_flight}
+                "in_flight": entry.in_flight, "loads": entry.loads, "load_seconds": entry.load_seconds,
+                "memory_bytes": entry.memory_bytes}
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> JSONResponse:
