@@ -104,3 +104,19 @@ def test_keep_alive_overrides_the_idle_timeout():
     # an unloaded or unloading model never expires again
     c.state = ModelState.UNLOADING
     assert router.expired(40.0) == []
+
+
+def test_serve_refuses_bad_model_lists_before_starting_anything(tmp_path, capsys):
+    from tokenmill.entrypoints.cli import main
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    cases = [
+        (["--model", f"a={model}", "--model", f"a={model}"], "two models are named 'a'"),
+        (["--model", f"a={model}", "--model", f"b={tmp_path / 'missing.gguf'}"], "no model at"),
+        (["--models-dir", str(tmp_path / "none")], "no such directory"),
+        (["--model", f"a={model}", "--model", f"b={model}", "--data-parallel-size", "2"], "not available"),
+    ]
+    for argv, message in cases:
+        assert main(["serve", *argv]) == 2
+        assert message in capsys.readouterr().err

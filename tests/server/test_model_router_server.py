@@ -4,7 +4,7 @@ random-weight llama saved as a HF folder. Neither is loaded at start; requests t
 and concurrent, are each answered by the model they named (SmolLM2 by its greedy answer, the tiny
 one by its own offline greedy output); keep_alive 0 unloads a model and its next request loads it
 again; unknown names get the 404 of each protocol; /metrics, /health, /api/ps and timelines name
-the model."""
+the model (the dashboard: the most recently used one)."""
 
 from __future__ import annotations
 
@@ -124,7 +124,8 @@ def test_interleaved_clients_each_get_their_own_model(server, oai, oll, tiny_ref
 
 
 def test_keep_alive_zero_unloads_and_the_next_request_loads_it_again(server, oai, oll, tiny_reference):
-    oll.generate(model="tiny", prompt="hi", keep_alive=0, options={"num_predict": 1})
+    unloading = oll.generate(model="tiny", prompt="hi", keep_alive=0, options={"num_predict": 1})
+    assert unloading.load_duration < 1e9  # loaded already: no wait (Ollama's load_duration, ns)
     deadline = time.monotonic() + 60
     while loaded(server)["tiny"] and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -137,6 +138,8 @@ def test_keep_alive_zero_unloads_and_the_next_request_loads_it_again(server, oai
         assert "Paris" in smol.choices[0].message.content
         assert tiny.result() == tiny_reference
     assert loaded(server) == {"smol": True, "tiny": True}
+    tiny_card = next(m for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"] if m["id"] == "tiny")
+    assert tiny_card["loads"] == 2 and tiny_card["load_seconds"] > 0 and tiny_card["memory_bytes"] > 0
 
 
 def test_metrics_health_and_timelines_name_the_model(server, oai):
@@ -150,3 +153,5 @@ def test_metrics_health_and_timelines_name_the_model(server, oai):
     assert health.status_code == 200 and health.json() == {"status": "ok", "models": {"smol": "loaded", "tiny": "loaded"}}
     timeline = httpx.get(f"{server.url}/v1/requests/{done.id}/timeline", timeout=30).json()
     assert timeline["model"] == "smol" and timeline["sequences"][0]["model"] == "smol"
+    # the dashboard shows the most recently used model
+    assert httpx.get(f"{server.url}/v1/dashboard/snapshot", timeout=30).json()["model"] == "smol"

@@ -152,7 +152,7 @@ class TokenizerManager:
             # Built in a child process (transformers imports torch; this process stays torch-free), which
             # also hands it to the detokenizers.
             files = await asyncio.to_thread(export_tokenizer, model, self.tokenizer_file)
-            self.tokenizer = Tokenizer.from_files(files)
+            self.tokenizer = await asyncio.to_thread(Tokenizer.from_files, files)
             malloc_trim()  # parsing it leaves ~30 MB of freed heap resident (docs/benchmarks.md)
             if self.chat_template is not None:
                 self.tokenizer = self.tokenizer.with_chat_template(self.chat_template)

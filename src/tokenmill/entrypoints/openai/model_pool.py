@@ -43,6 +43,8 @@ from tokenmill.ipc.messages import ToMain
 logger = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.25  # how often idle models are checked against their deadlines
+# Niceness of a model's processes while they load (their threads get 0 back once it is up).
+LOAD_NICENESS = 10
 # A load waiting for room (every loaded model busy) gives up after this long with a 503.
 ROOM_WAIT_S = 120.0
 
@@ -57,6 +59,26 @@ class PoolSettings:
     chat_template: str | None = None
     reasoning_parser: ReasoningParser | None = None
     tool_parser: ToolParser | None = None
+
+
+def renice(pids: list[int], niceness: int) -> None:
+    """Every thread of each process to `niceness` (Linux: a priority is per thread). Lowering it needs
+    CAP_SYS_NICE: without it the model keeps its load priority, which only matters against other
+    work on the machine (every model loads, and so stays, at the same one)."""
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                logger.warning("cannot restore the priority of a loaded model's process %d (no CAP_SYS_NICE): "
+                               "it stays at niceness %d", pid, os.getpriority(os.PRIO_PROCESS, tid))
+                return
 
 
 class ModelEngine:
@@ -81,13 +103,17 @@ class ModelEngine:
         return self.state.manager
 
     async def start(self) -> bool:
-        """Start the pair and wait for the handshake and a one-token request (as a server start does)."""
+        """Start the pair and wait for the handshake and a one-token request (as a server start does).
+        The pair loads at a lower CPU priority, so that on a busy machine the loaded models' streams
+        keep their cores (the load takes longer instead); once up, it gets its normal priority back."""
+        self.children.niceness = LOAD_NICENESS
         self.children.start()
         self._watch = asyncio.create_task(self.children.watch(self.manager.on_process_exit))
-        if await self.manager.start() and install_live_bound(self.manager, self.engine.max_num_seqs):
+        ok = await self.manager.start() and install_live_bound(self.manager, self.engine.max_num_seqs)
+        if ok:
             self.state.chat.choose_tool_parser()
-            return True
-        return False
+            renice([proc.pid for proc in self.children.procs.values()], 0)
+        return ok
 
     def memory_bytes(self) -> int:
         """Resident memory of the model's two processes (what unloading it gives back)."""

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.entrypoints.anthropic.serving import error_json
-from tokenmill.entrypoints.ollama.replies import ModelCard
+from tokenmill.entrypoints.ollama.replies import ModelCard, load_wait_s
 from tokenmill.entrypoints.openai.errors import error_body
 from tokenmill.entrypoints.openai.model_metrics import render_models
 from tokenmill.entrypoints.openai.model_pool import ModelPool
@@ -137,6 +137,7 @@ class ModelRoutingMiddleware:
             await self.app(scope, replay, send)
             return
         path = scope["path"]
+        tic = time.monotonic()
         try:
             entry, keep_alive = self._choose(path, body)
             state = await self.pool.acquire(entry)
@@ -145,11 +146,12 @@ class ModelRoutingMiddleware:
             payload, status = _error(path, error)
             await JSONResponse(payload, status_code=status, headers=error.headers)(scope, replay, send)
             return
-        token = current_state.set(state)
+        token, waited = current_state.set(state), load_wait_s.set(time.monotonic() - tic)
         try:
             await self.app(scope, replay, send)
         finally:
             current_state.reset(token)
+            load_wait_s.reset(waited)
             self.pool.release(entry, keep_alive)
 
     def _choose(self, path: str, body: bytes) -> tuple[ModelEntry, float | None]:
