@@ -3,7 +3,7 @@ driven by the real `openai` SDK and `ollama` client, unmodified: the bundled Smo
 random-weight llama saved as a HF folder. Neither is loaded at start; requests to both, interleaved
 and concurrent, are each answered by the model they named (SmolLM2 by its greedy answer, the tiny
 one by its own offline greedy output); keep_alive 0 unloads a model and its next request loads it
-again; unknown names get the 404 of each protocol; /metrics, /health, /api/ps and timelines name
+again; embeddings come from the model named; unknown names get the 404 of each protocol; /metrics, /health, /api/ps and timelines name
 the model (the dashboard: the most recently used one)."""
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def test_nothing_loads_before_a_request_and_unknown_names_get_404(server, oai, o
     assert oerr.value.status_code == 404 and "not found" in oerr.value.error
     reply = httpx.post(f"{server.url}/v1/messages", json={"model": "nope", "max_tokens": 4, "messages": CHAT}, timeout=30)
     assert reply.status_code == 404 and reply.json()["error"]["type"] == "not_found_error"
-    assert loaded(server) == {"smol": False, "tiny": False}  # an unknown name loads nothing
+    bad = httpx.post(f"{server.url}/api/generate", json={"model": "tiny", "keep_alive": "soon"}, timeout=30)
+    assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
+    assert loaded(server) == {"smol": False, "tiny": False}  # neither an unknown name nor bad input loads
 
 
 def test_interleaved_clients_each_get_their_own_model(server, oai, oll, tiny_reference):
@@ -140,6 +142,12 @@ def test_keep_alive_zero_unloads_and_the_next_request_loads_it_again(server, oai
     assert loaded(server) == {"smol": True, "tiny": True}
     tiny_card = next(m for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"] if m["id"] == "tiny")
     assert tiny_card["loads"] == 2 and tiny_card["load_seconds"] > 0 and tiny_card["memory_bytes"] > 0
+
+
+def test_embeddings_come_from_the_model_named(server, oai, oll):
+    # each model's own width: SmolLM2's hidden size is 576, the tiny llama's 64
+    assert len(oll.embed(model="tiny", input="a river mill").embeddings[0]) == 64
+    assert len(oai.embeddings.create(model="smol", input="a river mill").data[0].embedding) == 576
 
 
 def test_metrics_health_and_timelines_name_the_model(server, oai):

@@ -109,7 +109,7 @@ class ModelEngine:
         self.children.niceness = LOAD_NICENESS
         self.children.start()
         self._watch = asyncio.create_task(self.children.watch(self.manager.on_process_exit))
-        ok = await self.manager.start() and install_live_bound(self.manager, self.engine.max_num_seqs)
+        ok = await self.manager.start(LOAD_NICENESS) and install_live_bound(self.manager, self.engine.max_num_seqs)
         if ok:
             self.state.chat.choose_tool_parser()
             renice([proc.pid for proc in self.children.procs.values()], 0)

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.entrypoints.anthropic.serving import error_json
 from tokenmill.entrypoints.ollama.replies import ModelCard, load_wait_s
-from tokenmill.entrypoints.openai.errors import error_body
+from tokenmill.entrypoints.openai.errors import as_request_error, error_body
 from tokenmill.entrypoints.openai.model_metrics import render_models
 from tokenmill.entrypoints.openai.model_pool import ModelPool
 from tokenmill.entrypoints.openai.server_state import ServerState
@@ -141,8 +141,11 @@ class ModelRoutingMiddleware:
         try:
             entry, keep_alive = self._choose(path, body)
             state = await self.pool.acquire(entry)
-        except (RequestError, ValueError) as exc:
-            error = exc if isinstance(exc, RequestError) else RequestError(str(exc), 400, "keep_alive")
+        except Exception as exc:  # unknown model, a failed load (503), a bug (500, logged)
+            error = as_request_error(exc)
+        else:
+            error = None
+        if error is not None:
             payload, status = _error(path, error)
             await JSONResponse(payload, status_code=status, headers=error.headers)(scope, replay, send)
             return
@@ -165,7 +168,10 @@ class ModelRoutingMiddleware:
         entry = router.find(name if isinstance(name, str) else None)
         if entry is None:
             raise unknown_model(str(name), list(router.entries), path)
-        keep_alive = keep_alive_seconds(fields.get("keep_alive")) if path.startswith("/api/") else None
+        try:
+            keep_alive = keep_alive_seconds(fields.get("keep_alive")) if path.startswith("/api/") else None
+        except ValueError as exc:
+            raise RequestError(str(exc), 400, "keep_alive") from None
         return entry, keep_alive
 
     def _authorized(self, scope: Scope) -> bool:
