@@ -8,6 +8,7 @@ the model (the dashboard: the most recently used one)."""
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from tests.frontend.conftest import bundled_gguf_path
-from tests.server.server_process import ServerProcess
+from tests.server.server_process import ServerProcess, children_of
 
 ollama = pytest.importorskip("ollama")
 openai = pytest.importorskip("openai")
@@ -163,3 +164,16 @@ def test_metrics_health_and_timelines_name_the_model(server, oai):
     assert timeline["model"] == "smol" and timeline["sequences"][0]["model"] == "smol"
     # the dashboard shows the most recently used model
     assert httpx.get(f"{server.url}/v1/dashboard/snapshot", timeout=30).json()["model"] == "smol"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a loaded model its priority back needs CAP_SYS_NICE")
+def test_loaded_models_run_at_normal_priority_again(server, oai):
+    tiny_completion(oai)  # both loaded (they are already when the whole module runs)
+    oai.completions.create(model="smol", prompt="Hi", max_tokens=1)
+    assert loaded(server) == {"smol": True, "tiny": True}
+    children = children_of(server.proc.pid)
+    assert len(children) == 4  # a scheduler and a detokenizer per model
+    for pid in children:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                assert int(f.read().rsplit(")", 1)[1].split()[16]) == 0  # field 19: nice
