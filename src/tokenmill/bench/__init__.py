@@ -19,6 +19,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("quality", "add_quality_parser"),
     ("soak", "add_soak_parser"),
     ("tokenizer_stall", "add_tokenizer_stall_parser"),
+    ("model_switch", "add_model_switch_parser"),
     ("disk_tier", "add_disk_tier_parser"),
     ("report", "add_report_parser"),
 )

@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
 
 import httpx
+
+from tokenmill.bench.server_launch import launch_server
 
 WORDS = ["river", "mill", "quiet", "stone", "bread", "market", "winter", "lantern", "harbour", "orchard",
          "copper", "meadow", "violin", "thunder", "garden", "bridge", "pepper", "candle", "forest", "silver"]
@@ -50,32 +49,8 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": statistics.median(ordered) * 1000, "p99": p99 * 1000, "max": ordered[-1] * 1000, "n": len(values)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(workers: int, threads: int, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
-    port = _free_port()
-    fd, log_path = tempfile.mkstemp(prefix="tokenmill-stall-", suffix=".log")
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(port),
-           "--num-threads", str(threads), "--tokenizer-workers", str(workers), *extra]
-    with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tokenmill serve exited with {proc.returncode}; log: {log_path}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return proc, url, log_path
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"tokenmill serve not healthy after 600 s; log: {log_path}")
+    return launch_server(["--num-threads", str(threads), "--tokenizer-workers", str(workers), *extra], "stall")
 
 
 def one_run(url: str, args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:

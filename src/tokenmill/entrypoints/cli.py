@@ -88,7 +88,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.openai.api_server import ServerConfig, run_server
     from tokenmill.model.default_model import default_model_path
 
-    model = os.path.abspath(os.path.expanduser(args.model)) if args.model else None
+    models = args.model or []
+    if len(models) > 1 or args.models_dir or args.idle_unload_seconds is not None:
+        return _serve_models(args)
+    if models and not os.path.exists(models[0]):  # `--model NAME=PATH` alone: PATH served as NAME
+        from tokenmill.frontend.model_router import parse_model_arg
+
+        name, path = parse_model_arg(models[0])
+        if path != models[0]:
+            models, args.served_model_name = [path], args.served_model_name or name
+    model = os.path.abspath(os.path.expanduser(models[0])) if models else None
     # Validate the engine settings and find the model here, so mistakes fail before anything starts.
     engine = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))
     model_path = model or default_model_path()
@@ -124,6 +133,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_server(config)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
         return 0
+
+
+def _serve_models(args: argparse.Namespace) -> int:
+    """`tokenmill serve --model A --model B` / `--models-dir DIR`: the model router (model_pool.py)."""
+    from tokenmill.entrypoints.openai.api_server import ServerConfig, run_server
+    from tokenmill.frontend.model_router import RouterConfig, models_in, parse_model_arg
+
+    try:
+        found = [parse_model_arg(m) for m in args.model or []] + (models_in(args.models_dir) if args.models_dir else [])
+        found = [(name, os.path.abspath(os.path.expanduser(path))) for name, path in found]
+        missing = next((path for _, path in found if not os.path.exists(path)), None)
+        if missing is not None:
+            raise ValueError(f"no model at {missing}")
+        routed = RouterConfig(tuple(found), args.max_loaded_models, args.max_memory, args.idle_unload_seconds)
+        routed.router()  # duplicate names and bad bounds fail here, before the server starts
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.data_parallel_size > 1 or args.tokenizer_workers or args.served_model_name:
+        print("error: with several models, --data-parallel-size, --tokenizer-workers and --served-model-name are "
+              "not available (name a model with --model NAME=PATH)", file=sys.stderr)
+        return 2
+    engine = EngineConfig.from_kwargs(model=found[0][1], **engine_kwargs(args))
+    config = ServerConfig(
+        engine=engine, model_path=found[0][1], host=args.host, port=args.port, api_key=args.api_key,
+        log_level=args.log_level, reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        chat_template=args.chat_template, models=routed,
+    )
+    for flag in ("max_request_bytes", "shutdown_timeout", "max_queued_requests"):
+        if getattr(args, flag) is not None:
+            config = dataclasses.replace(config, **{flag: getattr(args, flag)})
+    try:
+        return run_server(config)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _memory_size(text: str) -> int:
+    from tokenmill.frontend.model_router import parse_memory
+
+    try:
+        return parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _chat_template_text(value: str) -> str:
@@ -211,7 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-balance-method", choices=list(LOAD_BALANCE_METHODS), default="round_robin",
                    help="how requests are spread over the --data-parallel-size replicas; prefix_aware "
                         "sends shared prompt prefixes to the replica that cached them (default: round_robin)")
-    add_engine_args(p)
+    g = p.add_argument_group("several models (each loaded on its first request, in its own processes)")
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every GGUF file and model folder in DIR (with any --model given too)")
+    g.add_argument("--max-loaded-models", type=_positive_int, default=None, metavar="N",
+                   help="at most N models loaded at once: the least recently used idle one unloads first")
+    g.add_argument("--max-memory", type=_memory_size, default=None, metavar="SIZE",
+                   help="loaded models' resident memory bound (e.g. 8G): least recently used idle ones unload")
+    g.add_argument("--idle-unload-seconds", type=_non_negative_float, default=None, metavar="S",
+                   help="unload a model S seconds after its last request finished (default: never)")
+    add_engine_args(p, several_models=True)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="complete one prompt and print the text")

@@ -17,10 +17,16 @@ from tokenmill.config import (
 )
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """several_models: `--model` may repeat (`tokenmill serve`'s model router; args.model is then a list)."""
     d = EngineConfig()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
+    if several_models:
+        g.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
+                       help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M); repeat it to serve "
+                            "several models, each loaded on its first request, named NAME or after its file")
+    else:
+        g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
     g.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens, help="KV pool size in tokens")
     g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=d.kv_cache_dtype,
                    help="how K/V are stored: auto (bf16 in fast mode, fp32 in exact), bf16, fp32, or int8 "

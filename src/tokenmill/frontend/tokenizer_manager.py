@@ -146,14 +146,14 @@ class TokenizerManager:
         self._recv_task = asyncio.create_task(self._recv_loop())
 
     # ---- start-up ----------------------------------------------------------------------------
-    async def start(self) -> bool:
-        """Load the tokenizer, wait for both children's handshake, then push one real request through."""
+    async def start(self, niceness: int = 0) -> bool:
+        """Export the tokenizer (at `niceness`), wait for both children's handshake, push one request through."""
         model = os.path.abspath(os.path.expanduser(self.model_path))
         try:
             # Built in a child process (transformers imports torch; this process stays torch-free), which
             # also hands it to the detokenizers.
-            files = await asyncio.to_thread(export_tokenizer, model, self.tokenizer_file)
-            self.tokenizer = Tokenizer.from_files(files)
+            files = await asyncio.to_thread(export_tokenizer, model, self.tokenizer_file, niceness)
+            self.tokenizer = await asyncio.to_thread(Tokenizer.from_files, files)
             malloc_trim()  # parsing it leaves ~30 MB of freed heap resident (docs/benchmarks.md)
             if self.chat_template is not None:
                 self.tokenizer = self.tokenizer.with_chat_template(self.chat_template)

@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -78,11 +79,14 @@ def read(path: str, model: str = "") -> TokenizerFiles:
     )
 
 
-def export(model: str, path: str) -> TokenizerFiles:
+def export(model: str, path: str, niceness: int = 0) -> TokenizerFiles:
     """Build the tokenizer of `model` (absolute path) in a child process, write it to `path`, read it
-    back. Blocks for the child's seconds (transformers' import and the build): call it off the loop."""
+    back. Blocks for the child's seconds (transformers' import and the build): call it off the loop.
+    niceness > 0: the child runs under `nice -n` (a model loading while others serve)."""
+    cmd = [sys.executable, "-m", __name__, model, path]
+    nice = shutil.which("nice") if niceness else None
     # stderr is inherited: the build's own warnings belong in the server's log.
-    proc = subprocess.run([sys.executable, "-m", __name__, model, path], stdin=subprocess.DEVNULL, check=False)
+    proc = subprocess.run([nice, "-n", str(niceness), *cmd] if nice else cmd, stdin=subprocess.DEVNULL, check=False)
     if not os.path.exists(path):  # the child died before it could write even its error
         write(path, None, f"the tokenizer export process exited with {proc.returncode}")
     return read(path, model)

@@ -3,6 +3,7 @@ of /api/tags, /api/ps and /api/show."""
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import hashlib
 import os
@@ -13,6 +14,10 @@ from typing import Any
 # What /api/version reports: the Ollama API version whose fields these replies carry. Clients gate
 # features on it (tools, think, structured format), so it is Ollama's number, not tokenmill's.
 OLLAMA_API_VERSION = "0.12.0"
+
+# Seconds this request waited for its model to load (set by the model router, model_routing.py;
+# 0 with one model, loaded at start): Ollama's load_duration.
+load_wait_s: contextvars.ContextVar[float] = contextvars.ContextVar("load_wait_s", default=0.0)
 
 
 def created_at() -> str:
@@ -41,7 +46,7 @@ class Timing:
         first = self.first or now
         return {
             "total_duration": int((now - self.arrival) * 1e9),
-            "load_duration": 0,  # the model is loaded when the server starts
+            "load_duration": int(load_wait_s.get() * 1e9),
             "prompt_eval_count": self.prompt_tokens,
             "prompt_eval_duration": int((first - self.arrival) * 1e9),
             "eval_count": self.output_tokens,

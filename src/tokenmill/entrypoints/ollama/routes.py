@@ -68,19 +68,24 @@ class OllamaServing:
     def __init__(self, server: Callable[[], Any], model_path: str) -> None:
         self.server = server
         self.model_path = model_path
-        self._card: ModelCard | None = None
+        # One card per model name: behind the model router (model_routing.py) `server()` is the
+        # current request's model, so a single cached card would describe another model.
+        self._cards: dict[str, ModelCard] = {}
 
     @property
     def manager(self) -> TokenizerManager:
         return self.server().manager
 
     def card(self) -> ModelCard:
-        self.manager.check_ready()
-        if self._card is None:
-            limits = self.manager.limits
-            assert limits is not None
-            self._card = ModelCard(limits.model_name, self.model_path, limits.max_model_len)
-        return self._card
+        manager = self.manager
+        manager.check_ready()
+        limits = manager.limits
+        assert limits is not None
+        card = self._cards.get(limits.model_name)
+        if card is None:
+            path = getattr(manager, "model_path", None) or self.model_path
+            card = self._cards[limits.model_name] = ModelCard(limits.model_name, path, limits.max_model_len)
+        return card
 
     def check_model(self, body: dict[str, Any]) -> str:
         card = self.card()

@@ -33,6 +33,14 @@ from tokenmill.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES, B
 from tokenmill.entrypoints.openai.dashboard import install_dashboard
 from tokenmill.entrypoints.openai.errors import error_response, install_handlers
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
+from tokenmill.entrypoints.openai.model_pool import ModelPool, PoolSettings
+from tokenmill.entrypoints.openai.model_routing import (
+    ModelRoutingMiddleware,
+    PoolDrain,
+    RoutedState,
+    install_model_routes,
+    pool_lifespan,
+)
 from tokenmill.entrypoints.openai.openapi import body_doc, install_openapi
 from tokenmill.entrypoints.openai.processes import ChildProcesses
 from tokenmill.entrypoints.openai.protocol import (
@@ -43,19 +51,17 @@ from tokenmill.entrypoints.openai.protocol import (
 )
 from tokenmill.entrypoints.openai.replica_header import ReplicaHeaderMiddleware
 from tokenmill.entrypoints.openai.request_log import RequestLogMiddleware
-from tokenmill.entrypoints.openai.serving_chat import ChatServing
+from tokenmill.entrypoints.openai.server_state import ServerState
 from tokenmill.entrypoints.openai.serving_common import check_model, now_s
-from tokenmill.entrypoints.openai.serving_completion import CompletionServing
-from tokenmill.entrypoints.openai.serving_embedding import EmbeddingServing
-from tokenmill.entrypoints.openai.serving_tokenize import TokenizeServing
 from tokenmill.entrypoints.responses.routes import ResponsesRequest, install_responses
 from tokenmill.frontend.dp_router import DataParallelRouter
 from tokenmill.frontend.live_bound import install_live_bound
-from tokenmill.frontend.reasoning_parser import ReasoningParser, get_reasoning_parser
+from tokenmill.frontend.model_router import RouterConfig
+from tokenmill.frontend.reasoning_parser import get_reasoning_parser
 from tokenmill.frontend.request_timelines import MAX_FINISHED
 from tokenmill.frontend.tokenize_pool import TokenizePool
 from tokenmill.frontend.tokenizer_manager import RequestError, ServerStatus, TokenizerManager
-from tokenmill.frontend.tool_parsers import ToolParser, get_tool_parser
+from tokenmill.frontend.tool_parsers import get_tool_parser
 from tokenmill.ipc.channels import IpcPaths
 
 logger = logging.getLogger(__name__)
@@ -84,35 +90,22 @@ class ServerConfig:
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     tokenizer_workers: int = 0  # --tokenizer-workers: processes for templates + tokenization (0: a thread)
     chat_template: str | None = None  # --chat-template's text: replaces the model's (or gives a base model one)
-
-
-class ServerState:
-    """What the routes need; filled in by the lifespan (or by a test, with a manager of its own)."""
-
-    manager: TokenizerManager
-    metrics: ServerMetrics
-    chat: ChatServing
-    completion: CompletionServing
-    tokens: TokenizeServing
-    replicas: DataParallelRouter | None = None  # with --data-parallel-size > 1
-
-    def attach(self, manager: TokenizerManager, metrics: ServerMetrics,
-               reasoning_parser: ReasoningParser | None = None, tool_parser: ToolParser | None = None) -> None:
-        self.manager, self.metrics = manager, metrics
-        self.chat = ChatServing(manager, reasoning_parser, tool_parser)
-        self.completion = CompletionServing(manager)
-        self.tokens = TokenizeServing(manager)
-        self.embeddings = EmbeddingServing(manager, metrics)
+    models: RouterConfig | None = None  # several models behind a router (model_pool.py); None: one, as always
 
 
 def build_app(
     config: ServerConfig, on_fatal: Callable[[], None] = lambda: None, state: ServerState | None = None
 ) -> FastAPI:
     """The app; with `state` given, its manager is used as it is and no child process starts."""
-    server = state or ServerState()
     # An unknown name fails here, before any child process starts.
     reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
     tool_parser = get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None
+    pool = None
+    if config.models is not None and state is None:  # several models: a pool of engines, each on demand
+        pool = ModelPool(zmq.asyncio.Context(), config.models.router(), PoolSettings(
+            config.engine, config.log_level, config.max_queued_requests, config.chat_template, reasoning_parser,
+            tool_parser))
+    server = state or (RoutedState(pool) if pool is not None else ServerState())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -153,12 +146,15 @@ def build_app(
             paths.remove()
             logger.info("shut down: all child processes have exited")
 
-    app = FastAPI(title="tokenmill", lifespan=None if state else lifespan,
+    app = FastAPI(title="tokenmill", lifespan=None if state else pool_lifespan(pool, config.host, config.port)
+                  if pool is not None else lifespan,
                   description="An OpenAI-compatible LLM inference server (plus vLLM's extra fields and endpoints).")
-    app.state.server = server  # run_server drains its manager on SIGTERM
+    app.state.server = PoolDrain(pool) if pool is not None else server  # run_server drains it on SIGTERM
     install_handlers(app)
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
                           ResponsesRequest, MessagesRequest, CountTokensRequest])
+    if pool is not None:  # innermost: it reads bodies the size limit has already bounded
+        app.add_middleware(ModelRoutingMiddleware, pool=pool, api_key=config.api_key)
     # Outermost last: the log sees every response, the 413s included.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.data_parallel.size > 1:
@@ -175,6 +171,8 @@ def build_app(
                                code="invalid_api_key")
 
     auth = [Depends(check_api_key)]
+    if pool is not None:  # /health, /v1/models, /metrics, ... over every model, ahead of the ones below
+        install_model_routes(app, pool, auth)
 
     @app.get("/health")
     async def health() -> Response:

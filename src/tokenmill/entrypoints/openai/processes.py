@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -35,6 +36,7 @@ class ChildProcesses:
         self.served_model_name = served_model_name
         self.log_level = log_level
         self.procs: dict[str, subprocess.Popen] = {}
+        self.niceness = 0  # > 0: started under `nice -n` (a model loading beside others: model_pool.py)
         self._reported: set[str] = set()
 
     def commands(self) -> list[tuple[str, list[str]]]:
@@ -65,8 +67,9 @@ class ChildProcesses:
         # outside the KV pool crept up ~25 MB over 10 minutes. Eight entries hold one step's shapes;
         # re-creating them cost nothing measurable (docs/benchmarks.md, "Memory under load").
         env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
+        nice = shutil.which("nice") if self.niceness else None
         for name, cmd in commands:
-            self.procs[name] = subprocess.Popen(cmd, env=env)
+            self.procs[name] = subprocess.Popen([nice, "-n", str(self.niceness), *cmd] if nice else cmd, env=env)
             logger.info("started the %s process (pid %d)", name, self.procs[name].pid)
 
     def _pair(self, paths: IpcPaths, config: EngineConfig, replica: int | None) -> list[tuple[str, list[str]]]:

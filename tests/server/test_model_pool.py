@@ -1,0 +1,115 @@
+"""The model pool's wiring (entrypoints/openai/model_pool.py) over fake engines: no process starts,
+so the load/unload sequencing is checked in milliseconds: a busy model is never unloaded (the load
+waits for room), concurrent first requests share one load, a failed load leaves nothing behind, and
+idle models go after --idle-unload-seconds or keep_alive."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq.asyncio
+
+from tokenmill.config import EngineConfig
+from tokenmill.entrypoints.openai import model_pool
+from tokenmill.entrypoints.openai.model_pool import ModelPool, PoolSettings
+from tokenmill.frontend.model_router import ModelEntry, ModelRouter, ModelState
+from tokenmill.frontend.request_error import RequestError
+from tokenmill.frontend.tokenizer_manager import ServerStatus
+
+
+class FakeEngine:
+    events: list[str] = []
+    fail: set[str] = set()
+
+    def __init__(self, ctx: object, entry: ModelEntry, settings: PoolSettings) -> None:
+        self.name = entry.name
+        self.manager = type("M", (), {"status": ServerStatus.UP, "unhealthy_reason": "it exploded"})()
+        self.state = type("S", (), {"manager": self.manager, "name": entry.name})()
+
+    async def start(self) -> bool:
+        FakeEngine.events.append(f"start {self.name}")
+        await asyncio.sleep(0.02)
+        return self.name not in FakeEngine.fail
+
+    def memory_bytes(self) -> int:
+        return 100
+
+    async def stop(self) -> None:
+        FakeEngine.events.append(f"stop {self.name}")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture(autouse=True)
+def fake_engines(monkeypatch):
+    FakeEngine.events, FakeEngine.fail = [], set()
+    monkeypatch.setattr(model_pool, "ModelEngine", FakeEngine)
+    monkeypatch.setattr(model_pool, "REAP_INTERVAL_S", 0.01)
+
+
+def run(body, **bounds):
+    async def main():
+        router = ModelRouter([ModelEntry(n, f"/m/{n}") for n in ("a", "b", "c")], **bounds)
+        pool = ModelPool(zmq.asyncio.Context(), router, PoolSettings(EngineConfig()))
+        pool.start()
+        try:
+            await body(pool, router.entries)
+        finally:
+            await pool.close()
+            pool.ctx.destroy(linger=0)
+    asyncio.run(main())
+
+
+def test_a_busy_model_is_never_unloaded_and_the_load_waits_for_room():
+    async def body(pool, e):
+        state_a = await pool.acquire(e["a"])
+        assert state_a.name == "a" and e["a"].state is ModelState.LOADED
+        waiting = asyncio.ensure_future(pool.acquire(e["b"]))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and e["a"].state is ModelState.LOADED  # a has a request in flight
+        pool.release(e["a"])
+        assert (await asyncio.wait_for(waiting, 5)).name == "b"
+        assert e["a"].state is ModelState.UNLOADED and FakeEngine.events == ["start a", "stop a", "start b"]
+        pool.release(e["b"])
+    run(body, max_loaded=1)
+
+
+def test_concurrent_first_requests_share_one_load_and_a_failed_load_leaves_nothing():
+    async def body(pool, e):
+        states = await asyncio.gather(*(pool.acquire(e["a"]) for _ in range(5)))
+        assert {s.name for s in states} == {"a"} and FakeEngine.events == ["start a"] and e["a"].in_flight == 5
+        for _ in states:
+            pool.release(e["a"])
+        FakeEngine.fail.add("b")
+        with pytest.raises(RequestError, match="'b' failed to load: it exploded") as err:
+            await pool.acquire(e["b"])
+        assert err.value.status == 503 and e["b"].state is ModelState.UNLOADED and e["b"].in_flight == 0
+        assert "b" not in pool.engines and FakeEngine.events[-1] == "stop b"
+    run(body)
+
+
+def test_idle_timeout_and_keep_alive_unload():
+    async def body(pool, e):
+        await pool.acquire(e["a"])
+        await pool.acquire(e["b"])
+        pool.release(e["a"], keep_alive=0)  # Ollama's keep_alive 0: unload once done
+        pool.release(e["b"])  # the idle timeout (0.3 s) applies
+        await asyncio.sleep(0.15)
+        assert e["a"].state is ModelState.UNLOADED and e["b"].state is ModelState.LOADED
+        await asyncio.sleep(0.4)
+        assert e["b"].state is ModelState.UNLOADED
+        await pool.acquire(e["a"])  # loaded again on its next request
+        assert e["a"].state is ModelState.LOADED and FakeEngine.events.count("start a") == 2
+        pool.release(e["a"], keep_alive=-1)  # never on its own, whatever the idle timeout
+        await asyncio.sleep(0.4)
+        assert e["a"].state is ModelState.LOADED
+    run(body, idle_unload_s=0.3)
+
+
+def test_draining_refuses_new_requests():
+    async def body(pool, e):
+        pool.draining = True
+        with pytest.raises(RequestError, match="shutting down"):
+            await pool.acquire(e["a"])
+        assert e["a"].in_flight == 0
+    run(body)
