@@ -13,6 +13,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.kv_offload import PageIO, build_offload
+from tokenmill.errors import InvalidRequest
 from tokenmill.model.builder import build_model
 from tokenmill.model.pooling import declared_pooling
 
@@ -52,6 +53,11 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
 def attach_disk_tier(core: EngineCore, config: EngineConfig, runner: PageIO) -> None:
     from tokenmill.model.default_model import default_model_path
 
+    if core.scheduler.windows is not None:
+        # The tier stores a page as every layer's rows; a hybrid page is one KV group's (not built).
+        raise InvalidRequest("the KV disk tier (--kv-cache-dir) does not support hybrid KV caches yet "
+                             "(models with sliding-window layers, such as gemma2/gemma3); run without it",
+                             param="kv_cache_dir")
     folder = os.path.abspath(os.path.expanduser(config.kv_cache_dir or ""))
     settings = {"precision": config.precision, "quantization": config.quantization}
     offload = build_offload(folder, config.kv_cache_disk_bytes, runner, core.pool,

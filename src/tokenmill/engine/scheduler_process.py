@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             model_name=args.served_model_name or model_name(config),
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
-            kv_capacity_tokens=config.num_pages * config.page_size,
+            kv_capacity_tokens=engine.scheduler.capacity_tokens,
             supports_cache_salt=loop.supports_cache_salt,
             supports_prompt_logprobs=loop.supports_prompt_logprobs,
         ))
