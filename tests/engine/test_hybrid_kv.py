@@ -68,6 +68,9 @@ def test_capacity_admits_what_fits_and_refuses_what_does_not():
     engine.add_request("fits", [1] * (cap - 20), greedy(20))
     out = run_to_completion(engine)
     assert out["fits"] == reference_output([1] * (cap - 20), 20, VOCAB)
+    # Alone, it never preempts itself: the prompt's window it handed the tree is dropped once its own
+    # window has moved on and the pages are needed (a locked path pins full pages only).
+    assert engine.stats()["num_preemptions"] == 0
 
 
 @pytest.mark.parametrize("chunk", [3, 8, 64])
@@ -157,14 +160,17 @@ def test_prefix_hit_needs_the_window_before_the_match():
     engine.add_request("first", first, greedy(8))
     done = run_to_completion(engine)["first"]
     tree = engine.scheduler.cache
-    # Released: 12 full pages of 48 computed tokens in the tree, and the sliding pages of their last window only.
-    assert tree.window_pages_held() == [3, 3]
+    # 12 full pages of 48 computed tokens in the tree, and per sliding group only the pages of two
+    # windows: before the prompt's last full page (positions 31..39: pages 7-9), handed over once the
+    # prompt was computed, and before the end (39..47: pages 9-11), at release.
+    assert tree.num_pages == 12 + 2 * 5 and tree.window_pages_held() == [5, 5]
     # The next turn extends the whole conversation: a hit up to the last full page, window and all.
     follow = first + done + [5, 6, 7]
     engine.add_request("next", follow, greedy(6))
     # A prompt sharing only the first 24 tokens: the tree has full pages there but not their window.
     partial = first[:24] + [9] * 10
     engine.add_request("partial", partial, greedy(6))
+    engine.add_request("again", first, greedy(8))  # the same prompt: served up to its last full page
     outs: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
     while engine.has_unfinished():
@@ -174,6 +180,18 @@ def test_prefix_hit_needs_the_window_before_the_match():
         engine.check_integrity()
     assert outs["next"] == reference_output(follow, 6, VOCAB) and cached["next"] == 48
     assert outs["partial"] == reference_output(partial, 6, VOCAB) and cached["partial"] == 0
+    assert outs["again"] == done and cached["again"] == 40
+
+
+def test_samples_of_one_prompt_prefill_it_once():
+    engine, _ = hybrid_engine(kv_cache_tokens=512, max_num_batched_tokens=16)
+    prompt = [(7 * i) % 43 + 1 for i in range(45)]
+    for k in range(3):
+        engine.add_request(f"s{k}", prompt, greedy(5))
+    out = run_to_completion(engine)
+    assert all(out[f"s{k}"] == reference_output(prompt, 5, VOCAB) for k in range(3))
+    # The first computes 45 tokens; the others match 44 // 4 * 4 = 44 and compute the last one.
+    assert engine.prompt_tokens_computed_total == 45 + 2 * 1
 
 
 def test_usable_prefix_rule():

@@ -78,10 +78,11 @@ class Scheduler:
         self.policy = policy or SchedulingPolicy()  # the order of the queue and the running list
         self.offload: KVOffload | None = None  # the prefix cache's disk tier, when the engine has one
         self.layout = layout
-        # Sliding groups' pages (hybrid models only); every new position takes one page per group.
-        self.windows = WindowGroups(layout, pool) if layout is not None and layout.is_hybrid else None
-        self.num_groups = 1 + (self.windows.count if self.windows is not None else 0)
+        hybrid = layout is not None and layout.is_hybrid
+        self.num_groups = layout.num_window_groups + 1 if layout is not None else 1
         self.cache = RadixCache(pool, self.num_groups - 1) if enable_prefix_caching else None
+        # Sliding groups' pages (hybrid models only); every new position takes one page per group.
+        self.windows = WindowGroups(layout, pool, self.cache) if hybrid and layout is not None else None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -180,15 +181,15 @@ class Scheduler:
         return {r.prefill_group for r in self.running if r.prefill_group is not None and self._shares_later(r)}
 
     def _shares_later(self, request: Request) -> bool:
+        return request.num_computed_tokens < self._shareable(request)
+
+    def _shareable(self, request: Request) -> int:
         # The full prompt pages a sibling could match (the last token is always recomputed).
-        shareable = (request.num_prompt_tokens - 1) // self.pool.page_size * self.pool.page_size
-        return request.num_computed_tokens < shareable
+        return (request.num_prompt_tokens - 1) // self.pool.page_size * self.pool.page_size
 
     def _defer(self, request: Request, prefilling: set[int]) -> bool:
         # A request that needs prompt logprobs computes its whole prompt anyway: no point waiting.
-        # Nor does a hybrid model's: the sliding groups reach the tree only at release, so a sibling
-        # still running has published nothing the others could match.
-        return request.prefill_group in prefilling and not request.needs_prompt_logits and self.windows is None
+        return request.prefill_group in prefilling and not request.needs_prompt_logits
 
     def _drafts_that_fit(self, request: Request, n: int, budget: int) -> int:
         """How many of a decoding request's draft tokens join its row: as many as the budget leaves,
@@ -276,7 +277,8 @@ class Scheduler:
         request.pages = []
         request.num_tree_pages = 0
         request.num_computed_tokens = 0
-        WindowGroups.forget(request)
+        if self.windows is not None:
+            self.windows.forget(request)
 
     def cache_computed(self, request: Request, final: bool = False) -> set[int]:
         """Hands the full computed pages of a running request to the tree, which then owns them.
@@ -309,7 +311,24 @@ class Scheduler:
         request.tree_node = match.node
         request.num_tree_pages = num_full
         self.pool.free(dropped)
+        if self.windows is not None and not final:
+            self._publish_prompt_window(request)
         return match.adopted
+
+    def _publish_prompt_window(self, request: Request) -> None:
+        """Once a hybrid request's prompt is computed, hands the tree its sliding pages for the window
+        before the prompt's last full page, where the same prompt sent again (or its n samples) is
+        matched; without them such a match would be cut to nothing. The request keeps using them."""
+        assert self.cache is not None and self.windows is not None
+        k = self._shareable(request) // self.pool.page_size
+        if k == 0 or request.num_shared_window_pages >= k or request.num_computed_tokens < k * self.pool.page_size:
+            return
+        offer = self.windows.prompt_window_offer(request, k)
+        if offer is None:
+            return  # the window already slid past part of it: nothing a match could use
+        tokens = request.all_token_ids[: k * self.pool.page_size]
+        match = self.cache.insert(tokens, request.pages[:k], request.cache_salt, offer)
+        self.windows.share_window(request, k, match.window, match.adopted)
 
     def _release(self, request: Request, status: RequestStatus) -> None:
         """Moves a running request out of RUNNING and disposes of its KV: full computed pages to
@@ -378,6 +397,8 @@ class Scheduler:
                 raise AssertionError(f"waiting request {r.request_id!r} holds KV")
         if self.cache is not None:
             self.cache.check_integrity(r.tree_node for r in self.running)
+            if self.windows is not None:
+                self.cache.check_window_refs(p for r in self.running for p in self.windows.shared_in_use(r))
             owned[TREE_HOLDER] = self.cache.all_pages()
         self.pool.check_integrity(owned)
 

@@ -14,9 +14,13 @@ different salts can never match each other's KV, whatever their tokens.
 
 Sliding-window KV groups (hybrid models, engine/window_groups.py). A node also holds, per sliding
 group, one entry per page of its edge: that group's page for those positions, or None where the tree
-has none (requests free sliding pages that leave their window, so they hand the tree only their last
-window, at release). `len(pages) + window entries that are not None` is what a node owns; locks,
-eviction and the counters count both. Which matches a sliding group can serve is the scheduler's rule.
+has none (requests free sliding pages that leave their window, so they hand the tree only the
+window before their prompt's end and their last window). `len(pages) + window entries that are not
+None` is what a node owns. Locks protect a path's full pages only: a sliding page is protected while
+a running request uses it (`ref_window`), since a lock on a long path would otherwise pin every
+window cached along it. `evict` takes unlocked leaves first, then the sliding pages nobody uses on
+locked paths (they only serve a match ending exactly there). Which matches a sliding group can serve
+is the scheduler's rule.
 
 Eviction frees unlocked leaves in least-recently-used order; a leaf longer than needed loses only
 its tail pages (the deepest positions, the least likely to be matched again), and a parent that
@@ -69,7 +73,8 @@ class RadixNode:
 class PrefixMatch:
     node: RadixNode | None  # where the match ends (a root when nothing matched; None: unknown salt)
     pages: list[int]  # the cached pages of the matched prefix, in position order
-    # Per sliding group, the tree's page (or None) for each of `pages`' positions ([] without groups).
+    # Per sliding group, the tree's page (or None) for each of `pages`' positions ([] without groups),
+    # after the insert for insert().
     window: list[list[int | None]] = dataclasses.field(default_factory=list)
     # insert(): the offered sliding pages the tree took (the caller frees the others it owns).
     adopted: set[int] = dataclasses.field(default_factory=set)
@@ -99,7 +104,9 @@ class RadixCache:
         self._roots: dict[str | None, RadixNode] = {}
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages the tree owns
-        self.num_locked_pages = 0  # of those, pages on a path some running request holds
+        self.num_locked_pages = 0  # of those, full pages on a path some running request holds
+        self.num_window_pages = 0  # of those, sliding-group pages
+        self._window_refs: Counter[int] = Counter()  # sliding pages running requests use: uses
         self.num_evicted_pages = 0
         # Called with (tokens, salt, first page index, pages) whenever the tree takes new pages: the
         # disk tier's write-through (engine/kv_offload.py). None: nobody listens.
@@ -107,7 +114,20 @@ class RadixCache:
 
     @property
     def num_evictable_pages(self) -> int:
-        return self.num_pages - self.num_locked_pages
+        return self.num_pages - self.num_locked_pages - len(self._window_refs)
+
+    # ---- sliding pages in use ------------------------------------------------------------------
+    def ref_window(self, pages: Iterable[int]) -> None:
+        """A running request uses these sliding pages of the tree: they are not evicted meanwhile."""
+        self._window_refs.update(pages)
+
+    def unref_window(self, pages: Iterable[int]) -> None:
+        for page in pages:
+            if self._window_refs[page] <= 0:
+                raise RuntimeError(f"unref of sliding page {page}, which no request uses")
+            self._window_refs[page] -= 1
+            if not self._window_refs[page]:
+                del self._window_refs[page]
 
     # ---- lookup and insertion --------------------------------------------------------------------
     def match(self, tokens: list[int], salt: str | None = None) -> PrefixMatch:
@@ -155,6 +175,7 @@ class RadixCache:
         if len(window) != self.num_window_groups or any(len(w) != len(pages) for w in window):
             raise ValueError(f"insert needs {self.num_window_groups} sliding-group page lists of {len(pages)}")
         adopted: set[int] = set()
+        held: list[list[int | None]] = [[] for _ in range(self.num_window_groups)]  # the tree's, after
         root = self._roots.get(salt)
         if root is None:
             root = self._roots[salt] = RadixNode([], [], None, 0)
@@ -168,11 +189,14 @@ class RadixCache:
                 child = RadixNode(tokens[pos:], pages[first:], node, now, [w[first:] for w in window])
                 node.children[key] = child
                 self.num_pages += child.num_owned
+                self.num_window_pages += child.num_window
                 adopted.update(p for w in child.window for p in w if p is not None)
                 out.extend(child.pages)
+                for mine, theirs in zip(held, child.window):
+                    mine.extend(theirs)
                 if self.on_insert is not None:
                     self.on_insert(tokens, salt, first, child.pages)
-                return PrefixMatch(child, out, adopted=adopted)
+                return PrefixMatch(child, out, held, adopted)
             n = self._common_pages(child.key, tokens, pos)
             if n < len(child.pages):
                 child = self._split(child, n)
@@ -180,9 +204,11 @@ class RadixCache:
             if window:
                 self._fill_window(child, [w[first : first + n] for w in window], adopted)
             out.extend(child.pages)
+            for mine, theirs in zip(held, child.window):
+                mine.extend(theirs)
             pos += n * self.page_size
             node = child
-        return PrefixMatch(node, out, adopted=adopted)
+        return PrefixMatch(node, out, held, adopted)
 
     def _fill_window(self, node: RadixNode, offered: list[list[int | None]], adopted: set[int]) -> None:
         """Takes offered sliding pages where `node` has none."""
@@ -195,14 +221,13 @@ class RadixCache:
                     taken += 1
         node.num_window += taken
         self.num_pages += taken
-        if node.lock_ref:
-            self.num_locked_pages += taken
+        self.num_window_pages += taken
 
     # ---- locks ---------------------------------------------------------------------------------
     def lock(self, node: RadixNode | None) -> None:
         while node is not None and not node.is_root:
             if node.lock_ref == 0:
-                self.num_locked_pages += node.num_owned
+                self.num_locked_pages += len(node.pages)
             node.lock_ref += 1
             node = node.parent
 
@@ -212,18 +237,19 @@ class RadixCache:
                 raise RuntimeError(f"unlock of an unlocked prefix-cache node {node!r}")
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.num_locked_pages -= node.num_owned
+                self.num_locked_pages -= len(node.pages)
             node = node.parent
 
     # ---- eviction ------------------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
-        """Frees up to `num_pages` unlocked pages to the pool, LRU leaves first; returns how many."""
+        """Frees up to `num_pages` unlocked pages to the pool, LRU leaves first, then sliding pages no
+        running request uses; returns how many."""
         if num_pages <= 0 or self.num_evictable_pages == 0:
             return 0
+        freed = 0
         tie = itertools.count()  # heap tie-break: nodes themselves are not comparable
         heap = [(n.last_access, next(tie), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
-        freed = 0
         while heap and freed < num_pages:
             _, _, node = heapq.heappop(heap)
             take = min(len(node.pages), num_pages - freed)
@@ -246,9 +272,29 @@ class RadixCache:
                     heapq.heappush(heap, (parent.last_access, next(tie), parent))
             self.pool.free(victims)
             self.num_pages -= len(victims)
+            self.num_window_pages -= len(victims) - take  # `take` full pages, the rest sliding ones
             freed += len(victims)
+        if freed < num_pages and self.num_window_pages:
+            freed += self._evict_unused_window(num_pages - freed)
         self.num_evicted_pages += freed
         return freed
+
+    def _evict_unused_window(self, num_pages: int) -> int:
+        """Frees up to `num_pages` sliding pages on locked paths that no running request uses."""
+        victims: list[int] = []
+        for node in self._nodes():
+            if node.lock_ref == 0 or node.num_window == 0:
+                continue  # an unlocked node goes whole, with its leaf, in LRU order
+            for w in node.window:
+                for i, page in enumerate(w):
+                    if page is not None and page not in self._window_refs and len(victims) < num_pages:
+                        victims.append(page)
+                        w[i] = None
+                        node.num_window -= 1
+        self.pool.free(victims)
+        self.num_pages -= len(victims)
+        self.num_window_pages -= len(victims)
+        return len(victims)
 
     def evict_all(self) -> int:
         """Frees every unlocked page (for a cache reset, and for tests)."""
@@ -300,7 +346,7 @@ class RadixCache:
                 expected[id(node)] += 1
                 node = node.parent
         seen_nodes: set[int] = set()
-        pages = locked_pages = 0
+        pages = locked_pages = window_pages = 0
         for salt, root in self._roots.items():
             if root.key or root.pages or root.lock_ref:
                 raise AssertionError(f"root of salt {salt!r} holds tokens, pages or locks")
@@ -324,15 +370,25 @@ class RadixCache:
                         f"{node!r}: lock_ref {node.lock_ref}, but {expected[id(node)]} running requests hold it"
                     )
                 pages += node.num_owned
-                locked_pages += node.num_owned if node.lock_ref else 0
+                window_pages += node.num_window
+                locked_pages += len(node.pages) if node.lock_ref else 0
+                if node.lock_ref == 0 and any(p in self._window_refs for w in node.window for p in w):
+                    raise AssertionError(f"{node!r}: a running request uses a sliding page of an unlocked node")
         missing = set(expected) - seen_nodes
         if missing:
             raise AssertionError(f"{len(missing)} nodes locked by running requests are not in the tree")
+        if window_pages != self.num_window_pages:
+            raise AssertionError(f"tree holds {window_pages} sliding pages, counter says {self.num_window_pages}")
         if (pages, locked_pages) != (self.num_pages, self.num_locked_pages):
             raise AssertionError(
                 f"tree holds {pages} pages ({locked_pages} locked), counters say "
                 f"{self.num_pages} ({self.num_locked_pages} locked)"
             )
+
+    def check_window_refs(self, used: Iterable[int]) -> None:
+        """The sliding pages registered as in use are exactly `used` (running requests' tree pages)."""
+        if Counter(used) != self._window_refs:
+            raise AssertionError("the prefix tree's sliding pages in use differ from what running requests use")
 
     # ---- internals -----------------------------------------------------------------------------
     def _page_key(self, tokens: list[int], pos: int) -> tuple[int, ...]:
