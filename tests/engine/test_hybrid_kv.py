@@ -250,3 +250,28 @@ def test_waiting_and_finished_requests_hold_no_sliding_pages():
     assert r.status == RequestStatus.RUNNING and len(r.window_pages) == 2
     run_to_completion(engine)
     assert r.window_pages == [] and r.num_shared_window_pages == 0
+
+
+def test_pages_per_group_reach_stats_and_metrics():
+    from tokenmill.engine.engine_stats import kv_groups_list
+    from tokenmill.entrypoints.openai.metrics import ServerMetrics
+    from tokenmill.ipc.messages import SchedulerStats
+
+    engine, _ = hybrid_engine(kv_cache_tokens=512, max_num_batched_tokens=64)
+    engine.add_request("a", [4] * 30, greedy(20))
+    for _ in range(3):
+        engine.step()
+    groups = kv_groups_list(engine.stats())
+    r = engine.requests["a"]
+    assert [g["window"] for g in groups] == [0, WINDOW, WINDOW] and [g["layers"] for g in groups] == [2, 2, 2]
+    # Group 0's first 7 full pages went to the tree with the prompt; the sliding groups own their window.
+    assert groups[0]["pages_in_use"] == len(r.pages) - r.num_tree_pages and groups[0]["pages_cached"] == 7
+    assert groups[1]["pages_in_use"] == groups[2]["pages_in_use"] == len(engine.scheduler.windows.private(r)) // 2
+    stats = SchedulerStats(num_requests_running=1, num_requests_waiting=0, kv_pages_total=128, kv_pages_in_use=9,
+                           prompt_tokens_total=30, generation_tokens_total=3, prefix_cache_hit_tokens_total=0,
+                           num_preemptions=0, kv_groups=groups)
+    text = ServerMetrics(lambda: stats).render().decode()
+    line = f'tokenmill:kv_group_pages{{group="1",state="in_use",window="{WINDOW}"}} {float(groups[1]["pages_in_use"])}'
+    assert line in text
+    assert 'tokenmill:kv_group_pages{group="0",state="cached",window="0"} 7.0' in text
+    assert kv_groups_list(make_engine(VOCAB)[0].stats()) == []  # one group: nothing per group

@@ -63,3 +63,12 @@ def kv_group_stats(core: EngineCore) -> dict[str, int]:
         out[f"kv_group_{g}_pages_in_use"] = in_use[g]
         out[f"kv_group_{g}_pages_cached"] = cached[g]
     return out
+
+
+def kv_groups_list(stats: dict) -> list[dict]:
+    """kv_group_stats' flat keys as one dict per group (SchedulerStats.kv_groups); [] for one group."""
+    count = int(stats.get("kv_groups", 1))
+    if count < 2:
+        return []
+    fields = ("layers", "window", "pages_in_use", "pages_cached")
+    return [{"group": g, **{f: int(stats[f"kv_group_{g}_{f}"]) for f in fields}} for g in range(count)]

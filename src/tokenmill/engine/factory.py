@@ -30,7 +30,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     else:
         torch.set_num_threads(config.threads)
         built = build_model(config.model, config.precision, config.quantization, config.bf16_min_rows,
-                            config.max_model_len, config.num_pages, config.page_size, kv_cache_dtype=config.kv_cache_dtype)
+                            config.max_model_len, config.num_pages, config.page_size, kv_cache_dtype=config.kv_cache_dtype,
+                            hybrid_kv=config.hybrid_kv_cache)
         runner = built.runner
     mc, model = built.config, built.runner.model
     pooling = declared_pooling(built.source) or "last"  # for embedding requests
