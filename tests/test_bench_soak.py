@@ -82,6 +82,7 @@ def test_sample_process_subtracts_the_kv_pool(tmp_path, monkeypatch):
     pool = [(torch.zeros(256 * 1024), torch.zeros(256 * 1024))]  # 2 MB, written: resident
     ranges = kv_pool_ranges(pool)
     assert [e - s for s, e in ranges] == [1024 * 1024, 1024 * 1024]
+    assert kv_pool_ranges(pool * 3) == ranges  # layers sharing tensors (a hybrid KV cache) count once
     sample = sample_process(os.getpid(), ranges)
     assert sample["kv"] == pytest.approx(2.0, abs=0.02)
     assert sample["outside_kv"] == pytest.approx(sample["rss"] - sample["kv"])

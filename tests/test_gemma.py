@@ -1,6 +1,8 @@
 """Gemma 2 and Gemma 3 as tiny random-weight models (a sliding window of 8 tokens) give transformers'
 fp32 logits and greedy tokens: prompts shorter and longer than the window, alone, batched, in
-chunks, preempted and served from the prefix cache, from a Hugging Face folder and from GGUF."""
+chunks, preempted and served from the prefix cache, from a Hugging Face folder and from GGUF; the
+engine runs them with the hybrid KV cache (kvcache/kv_groups.py), whose sliding groups must really
+give back the pages that leave the window."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import pytest
 import torch
 
 from tests.tiny_models import GEMMA_ARCHS, GEMMA_WINDOW, make_tiny_model, reference_model, write_tiny_gguf
+from tokenmill.config import EngineConfig
+from tokenmill.engine.factory import build_engine_core
 from tokenmill.entrypoints.llm import LLM
+from tokenmill.model.builder import kv_layout_for
 from tokenmill.model.loader import load_weights
 from tokenmill.model.registry import model_class
 from tokenmill.model.runner import ModelRunner, SeqChunk
@@ -27,10 +32,11 @@ def tiny(request, tmp_path_factory):
     return request.param, folder, reference_model(folder)
 
 
-def build(path, page_size: int = 4) -> ModelRunner:
+def build(path, page_size: int = 4, hybrid: bool = False) -> ModelRunner:
     loaded = load_weights(str(path))
     model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, max_positions=256)
-    return ModelRunner(model, num_pages=48, page_size=page_size)
+    layout = kv_layout_for(loaded.config) if hybrid else None
+    return ModelRunner(model, num_pages=48, page_size=page_size, kv_layout=layout)
 
 
 def test_config_reads_the_layer_pattern_and_the_gemma_fields(tiny):
@@ -71,6 +77,61 @@ def test_logits_match_transformers_whole_decoded_and_chunked(tiny):
         torch.testing.assert_close(logits, ref[start:start + len(chunk)], atol=ATOL, rtol=0)
 
 
+def test_hybrid_runner_attends_each_group_through_its_own_pages(tiny):
+    """Sliding layers read their group's pages only, and never a page wholly before their window:
+    page 0, which stands in for the pages a group let go, is filled with NaN."""
+    _, folder, ref_model = tiny
+    with torch.inference_mode():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0]
+    runner = build(folder, hybrid=True)
+    layout = runner.kv_layout
+    assert layout.is_hybrid and len(runner._kv_tensors) == layout.slots_per_page == 1  # 1 full layer
+    runner.execute([SeqChunk([1], 0, [1], sample=True, window_pages=[[2], [3]])])  # zeroes the pool
+    for k_cache, v_cache in runner._kv_tensors:
+        k_cache[:, :4].fill_(float("nan"))
+        v_cache[:, :4].fill_(float("nan"))
+    full = list(range(4, 10))
+    window = [list(range(10, 16)), list(range(16, 22))]
+    for start in range(0, len(PROMPT), 5):  # chunks of 5 crossing the window's edge
+        chunk = PROMPT[start:start + 5]
+        first_needed = max(0, start - GEMMA_WINDOW + 1) // 4  # what the scheduler keeps (window_groups.py)
+        held = [[None] * first_needed + pages[first_needed:] for pages in window]
+        logits = runner.execute([SeqChunk(chunk, start, full, sample=True, all_logits=True, window_pages=held)])
+        torch.testing.assert_close(logits, ref[start:start + len(chunk)], atol=ATOL, rtol=0)
+    # Decode rows of two sequences at once, one of them far past the window.
+    logits = runner.execute([SeqChunk([PROMPT[-1]], len(PROMPT) - 1, full, sample=True,
+                                      window_pages=[[None] * 3 + pages[3:] for pages in window])])
+    torch.testing.assert_close(logits[0], ref[-1], atol=ATOL, rtol=0)
+
+
+def test_engine_frees_window_pages_and_matches_transformers(tiny):
+    _, folder, ref_model = tiny
+    prompt = PROMPT + PROMPT[:9]  # 31 tokens, ~4 windows
+    ref = hf_greedy(ref_model, prompt)
+    engine = build_engine_core(EngineConfig(model=str(folder), precision="exact", num_threads=2, page_size=4,
+                                            max_num_batched_tokens=6, kv_cache_tokens=256))
+    groups = engine.scheduler.num_groups
+    assert groups == 3
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    out, most = [], [0] * groups
+    while engine.has_unfinished():
+        for o in engine.step():
+            out += o.new_token_ids
+        engine.check_integrity()
+        for r in engine.scheduler.running:  # pages it points at in each group, its own or the tree's
+            held = [len(r.pages)] + [sum(p is not None for p in pages) for pages in r.window_pages]
+            most = [max(m, n) for m, n in zip(most, held)]
+    assert out == ref
+    # A sliding group holds at most the window before a 6-token chunk plus the chunk (5 pages of 4
+    # tokens), where the full group ends with the whole context (42 computed tokens: 11 pages).
+    assert max(most[1:]) <= engine.scheduler.layout.window_pages(4, 6) == 5 and most[0] == 11
+    stats = engine.stats()
+    assert stats["kv_groups"] == groups and stats["kv_group_1_window"] == GEMMA_WINDOW
+    assert [stats[f"kv_group_{g}_pages_in_use"] for g in range(groups)] == [0] * groups
+    # Released: the tree keeps the whole context in group 0, two windows in each sliding group.
+    assert stats["kv_group_0_pages_cached"] == 10 and 0 < stats["kv_group_1_pages_cached"] <= 6
+
+
 def hf_greedy(model, prompt: list[int]) -> list[int]:
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -91,8 +152,9 @@ def assert_greedy(llm: LLM, prompts: list[list[int]], refs: list[list[int]]) -> 
 @pytest.mark.parametrize("engine_args", [
     pytest.param({}, id="batched"),
     pytest.param({"max_num_batched_tokens": 6}, id="chunked"),
-    # 9 pages of 4 tokens: two prompts of 22 + 12 cannot run together, so requests are preempted.
-    pytest.param({"kv_cache_tokens": 36, "page_size": 4, "max_num_batched_tokens": 24}, id="preempted"),
+    # 20 pages of 4 tokens in 3 KV groups: a request of 22 + 12 tokens holds up to 9 + 2 x 5 pages,
+    # so two cannot run together and requests are preempted.
+    pytest.param({"kv_cache_tokens": 80, "page_size": 4, "max_num_batched_tokens": 8}, id="preempted"),
 ])
 def test_greedy_matches_transformers(tiny, engine_args):
     _, folder, ref_model = tiny

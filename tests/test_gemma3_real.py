@@ -55,6 +55,26 @@ def test_a_prompt_longer_than_the_window(llm):
     assert "add one" in out.outputs[0].text
 
 
+def test_the_same_long_prompt_again_is_a_prefix_hit_with_windows_only(llm):
+    """The hybrid KV cache on the real file: the second run of a prompt twice the window is served
+    from the prefix cache up to its last full page (the sliding groups handed the tree the window
+    before it) with the same text, and the tree keeps whole context only in the full group."""
+    prompt = " ".join(f"Item {i} is filed." for i in range(180)) + " Item 180"
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    first, second = (llm.generate([prompt], params)[0] for _ in range(2))
+    assert len(first.prompt_token_ids) > 1024
+    assert second.outputs[0].text == first.outputs[0].text
+    assert second.num_cached_tokens == (len(second.prompt_token_ids) - 1) // 16 * 16
+    stats = llm.stats()
+    assert stats["kv_groups"] == 6 and stats["kv_group_1_window"] == 512
+    windows = [stats[f"kv_group_{g}_pages_cached"] for g in range(1, 6)]
+    # Two windows at most per cached sequence (its prompt's and its last) in each sliding group,
+    # far below the full group's whole context.
+    assert stats["kv_group_0_pages_cached"] >= len(first.prompt_token_ids) // 16
+    assert max(windows) < stats["kv_group_0_pages_cached"] // 2
+    llm.check_integrity()
+
+
 def test_fast_agrees_with_exact_on_most_top1s():
     text = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
     ids = load_tokenizer_files(gemma_weights().source).backend.encode(text[:6000]).ids[:700]

@@ -125,6 +125,10 @@ class EngineConfig:
     # 16 tokens a page: small enough that a request wastes < 16 slots, and page-aligned prefix
     # sharing stays fine-grained; the gather cost in attention is per token, not per page.
     page_size: int = 16
+    # Sliding-window layers (gemma2/gemma3) in KV groups of their own that keep only the window
+    # (kvcache/kv_groups.py); False keeps every layer's K/V for the whole context (the comparison
+    # `tokenmill bench kv-memory --full-kv` makes).
+    hybrid_kv_cache: bool = True
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decode rows)
     max_num_seqs: int = 128  # running requests at most
     max_model_len: int | None = None  # None: the model's context length

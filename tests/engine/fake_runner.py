@@ -7,6 +7,10 @@ test. With prefix caching, a cached page is shared by every request that matched
 same tokens for all of them, so the check stays exact; on top of it, writes into a page the prefix
 tree owns are refused (a request only ever computes into its own pages). Its "logits" make the next token a deterministic function of the whole cached prefix, so
 outputs must not depend on batching, chunking or preemption.
+
+With a hybrid `kv_layout` (kvcache/kv_groups.py) every sliding group writes the tokens into its own
+pages too, and each sampled row checks that every sliding group still holds exactly the window of
+tokens that row's query sees: a page freed too early, or a prefix hit without its window, fails.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.kvcache.kv_groups import KVLayout
 from tokenmill.model.runner import SeqChunk
 
 
 class FakeRunner:
-    def __init__(self, num_pages: int, page_size: int, vocab_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, vocab_size: int, kv_layout: KVLayout | None = None) -> None:
+        self.kv_layout = kv_layout
+        self.window = kv_layout.window if kv_layout is not None else None
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.slots: list[int | None] = [None] * (num_pages * page_size)
@@ -39,10 +46,15 @@ class FakeRunner:
             # A real model samples from the hidden state of the last token it computes: a chunk
             # with no tokens (a "full" prefix hit that skipped the last prompt token) has none.
             assert c.token_ids, "an empty chunk"
-            written = {c.pages[(c.start + i) // self.page_size] for i in range(len(c.token_ids))}
-            assert not written & frozen, f"a chunk writes into cached pages {sorted(written & frozen)}"
-            for i, token in enumerate(c.token_ids):
-                self.slots[self._slot(c.pages, c.start + i)] = token
+            groups = [c.pages] + list(c.window_pages or [])
+            if self.window is not None:
+                assert c.window_pages is not None and len(groups) == len(self.kv_layout.groups), "no sliding pages"
+            for pages in groups:
+                written = {pages[(c.start + i) // self.page_size] for i in range(len(c.token_ids))}
+                assert None not in written, "a chunk writes into a page its sliding group let go"
+                assert not written & frozen, f"a chunk writes into cached pages {sorted(written & frozen)}"
+                for i, token in enumerate(c.token_ids):
+                    self.slots[self._slot(pages, c.start + i)] = token
             end = c.start + len(c.token_ids)
             # all_logits: a row per token (prompt logprobs), else the sampling rows (the last
             # num_logits: a speculative chunk verifies its drafts with one row each).
@@ -51,6 +63,10 @@ class FakeRunner:
             for e in ends:
                 prefix = [self.slots[self._slot(c.pages, p)] for p in range(e)]
                 assert None not in prefix, "read a slot that was never written"
+                for pages in groups[1:]:  # the query at e - 1 sees e - window .. e - 1
+                    lo = max(0, e - self.window)
+                    assert [self.slots[self._slot(pages, p)] for p in range(lo, e)] == prefix[lo:], \
+                        "a sliding group lost part of its window"
                 rows.append(next_token(prefix, self.vocab_size))
         logits = torch.full((len(rows), self.vocab_size), -10.0)
         if rows:
@@ -82,9 +98,10 @@ def next_token(prefix: list[int], vocab_size: int) -> int:
     return 1 + h % (vocab_size - 1)
 
 
-def make_engine(vocab_size: int = 50, max_model_len: int = 4096, **config) -> tuple[EngineCore, FakeRunner]:
+def make_engine(vocab_size: int = 50, max_model_len: int = 4096, kv_layout: KVLayout | None = None,
+                **config) -> tuple[EngineCore, FakeRunner]:
     cfg = EngineConfig(**config)
-    runner = FakeRunner(cfg.num_pages, cfg.page_size, vocab_size)
+    runner = FakeRunner(cfg.num_pages, cfg.page_size, vocab_size, kv_layout)
     engine = EngineCore(cfg, runner, vocab_size, eos_token_ids=[0], max_model_len=max_model_len)
     cache = engine.scheduler.cache
     if cache is not None:

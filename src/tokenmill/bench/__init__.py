@@ -21,6 +21,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("tokenizer_stall", "add_tokenizer_stall_parser"),
     ("model_switch", "add_model_switch_parser"),
     ("disk_tier", "add_disk_tier_parser"),
+    ("kv_memory", "add_kv_memory_parser"),
     ("report", "add_report_parser"),
 )
 

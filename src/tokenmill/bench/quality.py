@@ -274,7 +274,10 @@ def cmd_quality(args: argparse.Namespace) -> int:
     # Pages for the windows decoded side by side; a context of one window is all RoPE must cover.
     page = EngineConfig().page_size
     kv_tokens = args.decode_batch * -(-args.window // page) * page
-    base = EngineConfig(model=model, num_threads=args.num_threads, kv_cache_tokens=kv_tokens, max_model_len=args.window)
+    # engine_logits hands the runner page lists itself: one KV group (a hybrid cache's sliding groups
+    # would need theirs too; the logits are the same either way).
+    base = EngineConfig(model=model, num_threads=args.num_threads, kv_cache_tokens=kv_tokens, max_model_len=args.window,
+                        hybrid_kv_cache=False)
     # The same settings on both sides (`--precision exact`: a sanity check, KL 0) share one core.
     ref_config = replace(base, precision=args.reference_precision)
     cand_config = replace(base, precision=args.precision, kv_cache_dtype=args.kv_cache_dtype)

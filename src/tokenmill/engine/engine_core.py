@@ -78,7 +78,7 @@ class EngineCore:
         self.pool = PagePool(config.num_pages, config.page_size)
         self.scheduler = Scheduler(
             self.pool, config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
-            make_policy(config.scheduling_policy),
+            make_policy(config.scheduling_policy), getattr(runner, "kv_layout", None),
         )
         self.sampler = Sampler(vocab_size, sorted(self.eos_token_ids), seed=config.seed)
         self.requests: dict[str, Request] = {}
@@ -119,7 +119,7 @@ class EngineCore:
             self._add_pooling(request_id, prompt_token_ids, params)
             return
         max_tokens = resolve_max_tokens(params, n_prompt, self.vocab_size, self.max_model_len,
-                                        self.pool.num_pages * self.pool.page_size, self.config.scheduling_policy)
+                                        self.scheduler.capacity_tokens, self.config.scheduling_policy)
         if params.structured_output is not None:
             # Parsed now (a bad schema raises here, before queueing); compiled in the background.
             self._grammar_pending[request_id] = self.grammar_manager().submit(params.structured_output)
@@ -132,7 +132,7 @@ class EngineCore:
         self.prompt_tokens_total += n_prompt
 
     def _add_pooling(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
-        capacity = self.pool.num_pages * self.pool.page_size
+        capacity = self.scheduler.capacity_tokens
         request = pooling_request(request_id, prompt_token_ids, params, self.pooling_type, self.max_model_len, capacity)
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -237,7 +237,7 @@ class EngineCore:
             pooling_type = r.pooled.pooling_type if r.pooled is not None else None
             chunks.append(SeqChunk(tokens, start, r.pages, c.samples and pooling_type is None,
                                    all_logits=r.needs_prompt_logits, num_logits=1 + c.num_drafts,
-                                   pooling_type=pooling_type))
+                                   pooling_type=pooling_type, window_pages=r.window_pages or None))
             self.prompt_tokens_computed_total += max(0, min(start + known, r.num_prompt_tokens) - start)
         sampling = [c.request for c in sched.chunks if c.samples and c.request.pooled is None]
         pooled: list[torch.Tensor] = []

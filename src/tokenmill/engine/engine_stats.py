@@ -41,4 +41,34 @@ def engine_stats(core: EngineCore) -> dict[str, int | float | str]:
         **core.step_stats.as_dict(core.scheduler),  # kv_pages_evicted, preempted, step composition
         **core.spec_stats.as_dict(),
         **(core.scheduler.offload.stats() if core.scheduler.offload is not None else {}),
+        **kv_group_stats(core),
     }
+
+
+def kv_group_stats(core: EngineCore) -> dict[str, int]:
+    """Pages per KV group (kvcache/kv_groups.py): `kv_groups`, and for each group g its layers, its
+    window (0: full attention), the pages running requests hold privately and the pages the prefix
+    tree holds. One group (a model without sliding layers): its totals are the kv_pages_* above."""
+    layout = core.scheduler.layout
+    if layout is None or not layout.is_hybrid:
+        return {"kv_groups": 1}
+    in_use = core.scheduler.pages_in_use_by_group()
+    cache = core.scheduler.cache
+    window_cached = cache.window_pages_held() if cache is not None else [0] * layout.num_window_groups
+    cached = [core.scheduler.num_cached_pages - sum(window_cached), *window_cached]
+    out = {"kv_groups": len(layout.groups)}
+    for g, group in enumerate(layout.groups):
+        out[f"kv_group_{g}_layers"] = len(group.layers)
+        out[f"kv_group_{g}_window"] = group.window or 0
+        out[f"kv_group_{g}_pages_in_use"] = in_use[g]
+        out[f"kv_group_{g}_pages_cached"] = cached[g]
+    return out
+
+
+def kv_groups_list(stats: dict) -> list[dict]:
+    """kv_group_stats' flat keys as one dict per group (SchedulerStats.kv_groups); [] for one group."""
+    count = int(stats.get("kv_groups", 1))
+    if count < 2:
+        return []
+    fields = ("layers", "window", "pages_in_use", "pages_cached")
+    return [{"group": g, **{f: int(stats[f"kv_group_{g}_{f}"]) for f in fields}} for g in range(count)]

@@ -13,6 +13,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.kv_offload import PageIO, build_offload
+from tokenmill.errors import InvalidRequest
 from tokenmill.model.builder import build_model
 from tokenmill.model.pooling import declared_pooling
 
@@ -29,7 +30,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     else:
         torch.set_num_threads(config.threads)
         built = build_model(config.model, config.precision, config.quantization, config.bf16_min_rows,
-                            config.max_model_len, config.num_pages, config.page_size, kv_cache_dtype=config.kv_cache_dtype)
+                            config.max_model_len, config.num_pages, config.page_size, kv_cache_dtype=config.kv_cache_dtype,
+                            hybrid_kv=config.hybrid_kv_cache)
         runner = built.runner
     mc, model = built.config, built.runner.model
     pooling = declared_pooling(built.source) or "last"  # for embedding requests
@@ -52,6 +54,11 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
 def attach_disk_tier(core: EngineCore, config: EngineConfig, runner: PageIO) -> None:
     from tokenmill.model.default_model import default_model_path
 
+    if core.scheduler.windows is not None:
+        # The tier stores a page as every layer's rows; a hybrid page is one KV group's (not built).
+        raise InvalidRequest("the KV disk tier (--kv-cache-dir) does not support hybrid KV caches yet "
+                             "(models with sliding-window layers, such as gemma2/gemma3); run without it",
+                             param="kv_cache_dir")
     folder = os.path.abspath(os.path.expanduser(config.kv_cache_dir or ""))
     settings = {"precision": config.precision, "quantization": config.quantization}
     offload = build_offload(folder, config.kv_cache_disk_bytes, runner, core.pool,

@@ -90,13 +90,14 @@ class HeapTrimmer:
 
 
 def kv_pool_ranges(kv_caches: Iterable[tuple[Any, ...]]) -> list[tuple[int, int]]:
-    """[start, end) byte addresses of every KV tensor (each (k, v) pair of a layer)."""
-    ranges = []
+    """[start, end) byte addresses of every KV tensor (each (k, v) pair of a layer), each once: a
+    hybrid KV cache's layers share tensors (kvcache/kv_groups.py)."""
+    ranges = set()
     for layer in kv_caches:
         for t in layer:
             start = t.data_ptr()
-            ranges.append((start, start + t.numel() * t.element_size()))
-    return ranges
+            ranges.add((start, start + t.numel() * t.element_size()))
+    return sorted(ranges)
 
 
 def kv_pool_file(directory: str, pid: int) -> str:

@@ -64,6 +64,12 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_tree_pages: int = 0
     tree_node: RadixNode | None = None
+    # Hybrid models only (engine/window_groups.py): one list per sliding KV group, as long as `pages`,
+    # None where the group holds no page (wholly before its window); entries below
+    # `num_shared_window_pages` are the prefix tree's, and those below `window_start` are all None.
+    window_pages: list[list[int | None]] = field(default_factory=list)
+    num_shared_window_pages: int = 0
+    window_start: int = 0
     # Prompt tokens served from the prefix cache at first admission (what usage reports as cached).
     num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -19,6 +19,11 @@ When pages run short the scheduler first evicts unlocked cached pages, and only 
 newest running request; a preempted request's full pages go into the tree (unlocked), so the next
 eviction can take them, or, if nobody needs them, its recompute is a cache hit. Admission is checked
 up front (`EngineCore.add_request`), so a lone request always fits and the loop cannot deadlock.
+
+Hybrid models (sliding-window layers beside full ones, kvcache/kv_groups.py): every page count
+above is per KV group, and a request's new positions take a page in each group; `WindowGroups`
+(engine/window_groups.py) frees the sliding groups' pages that leave the window and decides which
+prefix-cache matches the sliding groups can serve. Models with one group never touch it.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from typing import TYPE_CHECKING
 
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduling_policy import SchedulingPolicy
+from tokenmill.engine.window_groups import WindowGroups
+from tokenmill.kvcache.kv_groups import KVLayout
 from tokenmill.kvcache.page_pool import PagePool
-from tokenmill.kvcache.radix_cache import RadixCache
+from tokenmill.kvcache.radix_cache import PrefixMatch, RadixCache
 
 if TYPE_CHECKING:
     from tokenmill.engine.kv_offload import KVOffload
@@ -65,12 +72,17 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int, enable_prefix_caching: bool = True,
-        policy: SchedulingPolicy | None = None,
+        policy: SchedulingPolicy | None = None, layout: KVLayout | None = None,
     ) -> None:
         self.pool = pool
         self.policy = policy or SchedulingPolicy()  # the order of the queue and the running list
         self.offload: KVOffload | None = None  # the prefix cache's disk tier, when the engine has one
-        self.cache = RadixCache(pool) if enable_prefix_caching else None
+        self.layout = layout
+        hybrid = layout is not None and layout.is_hybrid
+        self.num_groups = layout.num_window_groups + 1 if layout is not None else 1
+        self.cache = RadixCache(pool, self.num_groups - 1) if enable_prefix_caching else None
+        # Sliding groups' pages (hybrid models only); every new position takes one page per group.
+        self.windows = WindowGroups(layout, pool, self.cache) if hybrid and layout is not None else None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -79,6 +91,12 @@ class Scheduler:
         # Prefix-cache counters over first admissions (prompt tokens looked up / found).
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The longest request (prompt + output) the pool holds on its own, all KV groups counted."""
+        layout = self.layout or KVLayout.single(1)
+        return layout.capacity_tokens(self.pool.num_pages, self.pool.page_size, self.max_num_batched_tokens)
 
     def add(self, request: Request) -> None:
         self.policy.enqueue(self.waiting, request)
@@ -95,6 +113,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self.windows is not None:
+                self.windows.slide(request)  # pages that left the window pay for this step's
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts_that_fit(request, n, budget)
             if not self._reserve(request, n + drafts, out):
@@ -116,10 +136,10 @@ class Scheduler:
             self._match_prefix(request)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.pages)
-            if not self._make_room(need):
+            if not self._make_room(need * self.num_groups):
                 self._unmatch_prefix(request)
                 break
-            request.pages.extend(self.pool.allocate(need))
+            self._allocate(request, need)
             self.waiting.popleft()
             if request.prefill_group is not None and self.cache is not None and self._shares_later(request):
                 prefilling.add(request.prefill_group)
@@ -144,7 +164,8 @@ class Scheduler:
             head = self.waiting[0]
             first_chunk = min(head.num_tokens - head.num_computed_tokens, self.max_num_batched_tokens)
             evictable = self.cache.num_evictable_pages if self.cache is not None else 0
-            if len(self.running) < self.max_num_seqs and self.pool.pages_for(first_chunk) <= self.pool.num_free + evictable:
+            need = self.pool.pages_for(first_chunk) * self.num_groups
+            if len(self.running) < self.max_num_seqs and need <= self.pool.num_free + evictable:
                 break
             victim = self.running.pop()
             self._preempt(victim)
@@ -160,9 +181,11 @@ class Scheduler:
         return {r.prefill_group for r in self.running if r.prefill_group is not None and self._shares_later(r)}
 
     def _shares_later(self, request: Request) -> bool:
+        return request.num_computed_tokens < self._shareable(request)
+
+    def _shareable(self, request: Request) -> int:
         # The full prompt pages a sibling could match (the last token is always recomputed).
-        shareable = (request.num_prompt_tokens - 1) // self.pool.page_size * self.pool.page_size
-        return request.num_computed_tokens < shareable
+        return (request.num_prompt_tokens - 1) // self.pool.page_size * self.pool.page_size
 
     def _defer(self, request: Request, prefilling: set[int]) -> bool:
         # A request that needs prompt logprobs computes its whole prompt anyway: no point waiting.
@@ -175,7 +198,7 @@ class Scheduler:
             return 0
         drafts = min(len(request.spec_token_ids), budget - 1)
         need = self.pool.pages_for(request.num_computed_tokens + 1 + drafts) - len(request.pages)
-        return drafts if self._make_room(need) else 0
+        return drafts if self._make_room(need * self.num_groups) else 0
 
     def trim_pages(self, request: Request) -> None:
         """Returns the pages past a running request's known tokens (left by rejected drafts) to the pool."""
@@ -185,19 +208,27 @@ class Scheduler:
                 raise AssertionError(f"request {request.request_id!r}: trimming would drop prefix-tree pages")
             self.pool.free(request.pages[keep:])
             del request.pages[keep:]
+            if self.windows is not None:
+                self.windows.trim(request, keep)
 
     def _reserve(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         """Pages for `n` more tokens of `request`, evicting, then preempting the newest requests."""
         need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.pages)
-        while not self._make_room(need):
+        while not self._make_room(need * self.num_groups):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
                 return False
         if need > 0:
-            request.pages.extend(self.pool.allocate(need))
+            self._allocate(request, need)
         return True
+
+    def _allocate(self, request: Request, need: int) -> None:
+        """`need` more positions' pages, in every group (the caller made room for them all)."""
+        request.pages.extend(self.pool.allocate(need))
+        if self.windows is not None:
+            self.windows.extend(request, need)
 
     def _make_room(self, need: int) -> bool:
         """Whether `need` pages are free, evicting unlocked cached pages if that makes it so."""
@@ -223,9 +254,16 @@ class Scheduler:
         if self.offload is not None:  # pages past the tree's match may still be on disk
             match = self.offload.extend(self.cache, match, request.all_token_ids[:limit], request.cache_salt,
                                         self._make_room)
+        if self.windows is not None:
+            usable = self.windows.usable_prefix(match.window, match.num_pages)
+            if usable < match.num_pages:  # the sliding groups lack the window before the match's end
+                match = self.cache.match(request.all_token_ids[: usable * size], request.cache_salt) \
+                    if usable else PrefixMatch(None, [])
         if match.num_pages == 0:
             return
         self.cache.lock(match.node)
+        if self.windows is not None:
+            self.windows.adopt_match(request, match.window, match.num_pages)
         request.tree_node = match.node
         request.pages = list(match.pages)
         request.num_tree_pages = match.num_pages
@@ -239,22 +277,30 @@ class Scheduler:
         request.pages = []
         request.num_tree_pages = 0
         request.num_computed_tokens = 0
+        if self.windows is not None:
+            self.windows.forget(request)
 
-    def cache_computed(self, request: Request) -> None:
+    def cache_computed(self, request: Request, final: bool = False) -> set[int]:
         """Hands the full computed pages of a running request to the tree, which then owns them.
 
         Called after prefill chunks (so requests admitted later share a prompt that is still being
         decoded) and on release. Where the tree already had a page for a position (another request
         computed the same tokens first), the request switches to the tree's page and frees its own
         copy: same tokens at the same positions, so the same K/V.
+
+        Sliding groups' pages are offered only when `final` (at release: the request no longer
+        needs them, and they are its last window); returns those the tree adopted.
         """
         if self.cache is None or not request.holds_kv or not request.uses_prefix_cache:
-            return  # an embedding request's K/V goes back to the pool (engine/pooling.py says why)
+            return set()  # an embedding request's K/V goes back to the pool (engine/pooling.py says why)
         num_full = request.num_computed_tokens // self.pool.page_size
-        if num_full <= request.num_tree_pages:
-            return
+        offer = final and self.windows is not None and num_full > 0
+        if num_full <= request.num_tree_pages and not offer:
+            return set()
         mine = request.pages[:num_full]
-        match = self.cache.insert(request.all_token_ids[: num_full * self.pool.page_size], mine, request.cache_salt)
+        window = self.windows.offer(request, num_full) if offer and self.windows is not None else None
+        match = self.cache.insert(request.all_token_ids[: num_full * self.pool.page_size], mine, request.cache_salt,
+                                  window)
         if match.pages[: request.num_tree_pages] != mine[: request.num_tree_pages]:
             raise AssertionError(f"request {request.request_id!r}: its locked prefix changed pages in the tree")
         dropped = [p for p, t in zip(mine, match.pages) if p != t]
@@ -265,14 +311,34 @@ class Scheduler:
         request.tree_node = match.node
         request.num_tree_pages = num_full
         self.pool.free(dropped)
+        if self.windows is not None and not final:
+            self._publish_prompt_window(request)
+        return match.adopted
+
+    def _publish_prompt_window(self, request: Request) -> None:
+        """Once a hybrid request's prompt is computed, hands the tree its sliding pages for the window
+        before the prompt's last full page, where the same prompt sent again (or its n samples) is
+        matched; without them such a match would be cut to nothing. The request keeps using them."""
+        assert self.cache is not None and self.windows is not None
+        k = self._shareable(request) // self.pool.page_size
+        if k == 0 or request.num_shared_window_pages >= k or request.num_computed_tokens < k * self.pool.page_size:
+            return
+        offer = self.windows.prompt_window_offer(request, k)
+        if offer is None:
+            return  # the window already slid past part of it: nothing a match could use
+        tokens = request.all_token_ids[: k * self.pool.page_size]
+        match = self.cache.insert(tokens, request.pages[:k], request.cache_salt, offer)
+        self.windows.share_window(request, k, match.window, match.adopted)
 
     def _release(self, request: Request, status: RequestStatus) -> None:
         """Moves a running request out of RUNNING and disposes of its KV: full computed pages to
         the tree (when caching), the lock released, everything else back to the pool."""
-        self.cache_computed(request)
+        adopted = self.cache_computed(request, final=True)
         request.move_to(status)  # raises on a second release: the request is no longer RUNNING
         if self.cache is not None:
             self.cache.unlock(request.tree_node)
+        if self.windows is not None:
+            self.windows.release(request, adopted)
         own = request.pages[request.num_tree_pages :]
         request.pages = []
         request.num_tree_pages = 0
@@ -317,6 +383,9 @@ class Scheduler:
             if r.status != RequestStatus.RUNNING:
                 raise AssertionError(f"request {r.request_id!r} is in the running list as {r.status.name}")
             owned[r.request_id] = r.pages[r.num_tree_pages :]
+            if self.windows is not None:
+                self.windows.check(r)
+                owned[r.request_id + " (sliding groups)"] = self.windows.private(r)
             if self.cache is not None and r.pages[: r.num_tree_pages] != self.cache.path_pages(r.tree_node):
                 raise AssertionError(f"request {r.request_id!r}: its prefix pages differ from its tree path")
             if r.num_computed_tokens < r.num_tree_pages * self.pool.page_size:
@@ -324,12 +393,23 @@ class Scheduler:
         for r in self.waiting:
             if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 raise AssertionError(f"request {r.request_id!r} is in the waiting queue as {r.status.name}")
-            if r.pages or r.tree_node is not None or r.num_computed_tokens:
+            if r.pages or r.window_pages or r.tree_node is not None or r.num_computed_tokens:
                 raise AssertionError(f"waiting request {r.request_id!r} holds KV")
         if self.cache is not None:
             self.cache.check_integrity(r.tree_node for r in self.running)
+            if self.windows is not None:
+                self.cache.check_window_refs(p for r in self.running for p in self.windows.shared_in_use(r))
             owned[TREE_HOLDER] = self.cache.all_pages()
         self.pool.check_integrity(owned)
+
+    def pages_in_use_by_group(self) -> list[int]:
+        """Pages private to running requests, per KV group (group 0 first)."""
+        counts = [sum(len(r.pages) - r.num_tree_pages for r in self.running)]
+        if self.windows is not None:
+            for g in range(self.windows.count):
+                counts.append(sum(p is not None for r in self.running if r.window_pages
+                                  for p in r.window_pages[g][r.num_shared_window_pages :]))
+        return counts
 
     @property
     def num_cached_pages(self) -> int:

@@ -23,6 +23,7 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore, EngineOutput
+from tokenmill.engine.engine_stats import kv_groups_list
 from tokenmill.engine.memory_trim import HeapTrimmer, write_kv_pool_map
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.step_stats import DASHBOARD_STATS, PrefixTreeSummary
@@ -199,6 +200,7 @@ class SchedulerLoop:
             num_tokens=sum(r.num_tokens for r in self.engine.requests.values()),
             kv_cache_dtype=str(s.get("kv_cache_dtype", "")),
             kv_cache_bytes_per_token=int(s.get("kv_cache_bytes_per_token", 0)),
+            kv_groups=kv_groups_list(s),
         ))
         self._last_stats = now
         self._stats_dirty = not idle
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             model_name=args.served_model_name or model_name(config),
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
-            kv_capacity_tokens=config.num_pages * config.page_size,
+            kv_capacity_tokens=engine.scheduler.capacity_tokens,
             supports_cache_salt=loop.supports_cache_salt,
             supports_prompt_logprobs=loop.supports_prompt_logprobs,
         ))

@@ -191,6 +191,9 @@ class SchedulerStats(msgspec.Struct, tag=True):
     prefix_tree_top: list[dict] = []
     kv_cache_dtype: str = ""  # how K/V are stored: fp32, bf16 or int8
     kv_cache_bytes_per_token: int = 0
+    # Hybrid KV cache only (kvcache/kv_groups.py), one dict per KV group: group, layers, window (0:
+    # full attention), pages_in_use, pages_cached (engine/engine_stats.kv_group_stats); [] otherwise.
+    kv_groups: list[dict] = []
 
 
 ToScheduler = AddRequest | AbortRequest | FinishRequest

@@ -36,6 +36,13 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSpan]
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] int64 context lengths (for the C++ kernel)
+    # Hybrid KV cache (kvcache/kv_groups.py): the metadata of each layer's KV group, by layer index
+    # (sliding groups have their own block tables and slots); None: every layer uses this one.
+    layer_metas: list[AttentionMetadata] | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` attends with (its KV group's block tables and slots)."""
+        return self if self.layer_metas is None else self.layer_metas[layer]
 
 
 def decode_mask(lengths: torch.Tensor, padded_len: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from tokenmill.kvcache.kv_groups import KVLayout
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.kv_cache_format import KVCacheFormat
 from tokenmill.model.layers.factory import LayerPolicy, describe_fallbacks
@@ -48,9 +49,11 @@ class BuiltModel:
 def build_model(
     path: str | None, precision: str, quantization: str, bf16_min_rows: int, max_model_len: int | None,
     num_pages: int, page_size: int, shard: ModelShard | None = None, kv_cache_dtype: str = "auto",
+    hybrid_kv: bool = True,
 ) -> BuiltModel:
     """Weights loaded, laid out for `precision` / `quantization`, and a runner with its KV tensors
-    in `kv_cache_dtype`'s format (model/kv_cache_format.py)."""
+    in `kv_cache_dtype`'s format (model/kv_cache_format.py). `hybrid_kv`: sliding-window layers get
+    KV groups of their own (kvcache/kv_groups.py); False keeps every layer's KV for the whole context."""
     loaded = load_weights(path)
     source = loaded.source
     mc = loaded.config
@@ -68,5 +71,13 @@ def build_model(
     kv_format = KVCacheFormat.resolve(kv_cache_dtype, precision)
     # Fast mode attends prompts through the paged kernel too; exact keeps SDPA (transformers' numbers).
     as_rows = precision == "fast" and getattr(model, "prompts_as_decode_rows", True)
-    runner = ModelRunner(model, num_pages, page_size, kv_format, prefill_as_decode_rows=as_rows)
+    layout = kv_layout_for(mc) if hybrid_kv else None
+    runner = ModelRunner(model, num_pages, page_size, kv_format, prefill_as_decode_rows=as_rows, kv_layout=layout)
     return BuiltModel(runner, mc, max_len, source)
+
+
+def kv_layout_for(config: ModelConfig) -> KVLayout:
+    """KV groups by attention type: sliding-window layers apart from full ones (one group for
+    models without sliding layers)."""
+    return KVLayout.for_layers([config.sliding_window if config.is_sliding(i) else None
+                                for i in range(config.num_layers)])

@@ -131,10 +131,10 @@ class GemmaForCausalLM:
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = self.rope.lookup(positions)
         local = self.local_rope.lookup(positions) if self.local_rope is not self.rope else rope
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             cos, sin = local if layer.sliding else rope
             attention = self.sliding_attention if layer.sliding else self.attention
-            x = layer.forward(x, cos, sin, attention, k_cache, v_cache, meta)
+            x = layer.forward(x, cos, sin, attention, k_cache, v_cache, meta.for_layer(i))
         return self.layers[0].norm(x, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

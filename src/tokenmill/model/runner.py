@@ -3,6 +3,10 @@
 The runner knows nothing of requests: the engine hands it `SeqChunk`s (the tokens to compute for
 one sequence this step, where they start, and the KV pages that sequence holds). It owns the K/V
 tensors of the page pool and turns chunks into the flat tensors and attention metadata.
+
+With a hybrid KV layout (kvcache/kv_groups.py) layers share `slots_per_page` K/V tensors, and each
+sliding group's layers attend through that group's own pages (`SeqChunk.window_pages`): the metadata
+then carries one AttentionMetadata per layer (`AttentionMetadata.for_layer`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.kvcache.kv_groups import KVLayout
 from tokenmill.model.attention import AttentionMetadata, PrefillSpan
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.kv_cache_format import EXACT_DEFAULT, KVCacheFormat
@@ -39,11 +44,15 @@ class SeqChunk:
     # An embedding request's chunk: the runner also returns this chunk's part of the pooled final
     # hidden state ("last", "mean", "cls"; model/pooling.py). Such a chunk never samples.
     pooling_type: str | None = None
+    # Hybrid KV layout only: the sequence's pages in each sliding group, aligned with `pages`; None
+    # where the group holds none (wholly before its window: never read).
+    window_pages: list[list[int | None]] | None = None
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int,
-                 kv_format: KVCacheFormat | torch.dtype = EXACT_DEFAULT, prefill_as_decode_rows: bool = False) -> None:
+                 kv_format: KVCacheFormat | torch.dtype = EXACT_DEFAULT, prefill_as_decode_rows: bool = False,
+                 kv_layout: KVLayout | None = None) -> None:
         self.model = model
         # Only where the C++ kernel reads the pages in place: the PyTorch path would pad every row.
         kernel = getattr(model.attention, "kernel", False)
@@ -53,19 +62,25 @@ class ModelRunner:
         kv_format = KVCacheFormat.of(kv_format) if isinstance(kv_format, torch.dtype) else kv_format
         self.kv_format = kv_format
         c: ModelConfig = model.config
-        # What one token costs in the pool (this rank's heads, all layers): stats and logs say it.
-        self.kv_bytes_per_token = kv_format.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
+        self.kv_layout = kv_layout or KVLayout.single(c.num_layers)
+        self._placement = self.kv_layout.placement()
+        slots = self.kv_layout.slots_per_page
+        # What one token's slot costs in the pool (this rank's heads, every layer of a KV group, so all
+        # layers unless the layout is hybrid): stats and logs say it.
+        self.kv_bytes_per_token = kv_format.bytes_per_token(slots, c.num_kv_heads, c.head_dim)
         num_slots = num_pages * page_size
         # torch.empty: untouched pages cost no resident memory, so a large pool is cheap until used.
         # But attention reads whole pages, including slots not yet written, and uninitialised memory
         # may hold NaN (NaN * 0 in probs @ V is NaN). So pages are zeroed the first time any step
         # touches them; the free list hands out low page ids first, so a high-water mark suffices.
         self._zeroed_pages = 0
-        self.kv_caches = [
+        self._kv_tensors = [
             (kv_format.allocate(c.num_kv_heads, num_slots, c.head_dim),
              kv_format.allocate(c.num_kv_heads, num_slots, c.head_dim))
-            for _ in range(c.num_layers)
+            for _ in range(slots)
         ]
+        # Per layer (the models zip their layers with it); layer j of every group shares slot j.
+        self.kv_caches = [self._kv_tensors[slot] for _, slot in self._placement]
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
@@ -95,7 +110,7 @@ class ModelRunner:
     # Every cache tensor is indexed [kv_heads, slot, ...]: a page is slots page * page_size onwards.
     def page_layout(self) -> tuple[str, int]:
         parts, nbytes = [], 0
-        for layer in self.kv_caches:
+        for layer in self._kv_tensors:
             for t in layer:
                 page = t[:, : self.page_size]
                 parts.append(f"{page.dtype}{tuple(page.shape)}")
@@ -105,14 +120,14 @@ class ModelRunner:
     def read_page(self, page: int) -> bytes:
         lo, hi = page * self.page_size, (page + 1) * self.page_size
         return b"".join(t[:, lo:hi].contiguous().view(torch.uint8).numpy().tobytes()
-                        for layer in self.kv_caches for t in layer)
+                        for layer in self._kv_tensors for t in layer)
 
     def write_page(self, page: int, payload: bytes) -> None:
         self._zero_new_pages(page + 1)  # zeroing ahead later must not wipe what is written now
         lo, hi = page * self.page_size, (page + 1) * self.page_size
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         offset = 0
-        for layer in self.kv_caches:
+        for layer in self._kv_tensors:
             for t in layer:
                 target = t[:, lo:hi]
                 n = target.numel() * target.element_size()
@@ -137,13 +152,12 @@ class ModelRunner:
         # Zero ahead in big steps, so this happens a handful of times, not every step.
         upto = min(max(upto, 2 * self._zeroed_pages, 64), self.num_pages)
         start, end = self._zeroed_pages * self.page_size, upto * self.page_size
-        for k_cache, v_cache in self.kv_caches:
+        for k_cache, v_cache in self._kv_tensors:
             k_cache[:, start:end].zero_()
             v_cache[:, start:end].zero_()
         self._zeroed_pages = upto
 
     def _prepare(self, chunks: list[SeqChunk]):
-        size = self.page_size
         token_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
@@ -152,9 +166,28 @@ class ModelRunner:
             token_ids.extend(c.token_ids)
             positions.extend(range(c.start, c.start + len(c.token_ids)))
             last_rows.append(len(token_ids) - 1)
-        slot_parts: list[torch.Tensor] = []
-        self._zero_new_pages(max(max(c.pages) for c in chunks) + 1)
+        hybrid = self.kv_layout.is_hybrid
+        groups = [[c.pages for c in chunks]]
+        if hybrid:
+            groups += [[self._window_pages(c, g) for c in chunks] for g in range(self.kv_layout.num_window_groups)]
+        self._zero_new_pages(max(max(pages) for group in groups for pages in group) + 1)
+        metas = [self._group_meta(chunks, decode, pages) for pages in groups]
+        if hybrid:
+            metas[0].layer_metas = [metas[g] for g, _ in self._placement]
+        return torch.tensor(token_ids), torch.tensor(positions), metas[0], last_rows
 
+    @staticmethod
+    def _window_pages(chunk: SeqChunk, group: int) -> list[int]:
+        if chunk.window_pages is None:
+            raise ValueError("this runner's KV cache is hybrid (sliding-window groups): every chunk needs "
+                             "window_pages, one page list per sliding group")
+        # Page 0 stands in for pages the group no longer holds: attention never reads them.
+        return [0 if p is None else p for p in chunk.window_pages[group]]
+
+    def _group_meta(self, chunks: list[SeqChunk], decode: list[SeqChunk], pages_of: list[list[int]]) -> AttentionMetadata:
+        """Block tables and slots for one KV group (`pages_of`: each chunk's pages in that group)."""
+        size = self.page_size
+        slot_parts: list[torch.Tensor] = []
         table = decode_mask = lengths = None
         nd = 0
         if decode:
@@ -168,22 +201,22 @@ class ModelRunner:
             starts = torch.repeat_interleave(torch.tensor([c.start for c in decode]), counts)
             lengths = starts + (torch.arange(nd) - first_rows) + 1
             max_pages = -(-max(c.start + len(c.token_ids) for c in decode) // size)
-            page_rows = [c.pages[:max_pages] + [0] * (max_pages - len(c.pages[:max_pages])) for c in decode]
+            page_rows = [p[:max_pages] + [0] * (max_pages - len(p[:max_pages])) for p in pages_of[: len(decode)]]
             table = torch.tensor(page_rows).repeat_interleave(counts, dim=0)
             last = lengths - 1
             slot_parts.append(table[torch.arange(nd), last // size] * size + last % size)
 
         prefills: list[PrefillSpan] = []
         row = nd
-        for c in chunks[len(decode):]:
+        for c, chunk_pages in zip(chunks[len(decode):], pages_of[len(decode):]):
             kv_len = c.start + len(c.token_ids)
-            pages = torch.tensor(c.pages[: -(-kv_len // size)])
+            pages = torch.tensor(chunk_pages[: -(-kv_len // size)])
             prefills.append(PrefillSpan(row, len(c.token_ids), kv_len, pages))
             pos = torch.arange(c.start, kv_len)
             slot_parts.append(pages[pos // size] * size + pos % size)
             row += len(c.token_ids)
 
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=torch.cat(slot_parts),
             num_decode=nd,
             page_size=size,
@@ -192,4 +225,3 @@ class ModelRunner:
             prefills=prefills,
             decode_seq_lens=lengths,
         )
-        return torch.tensor(token_ids), torch.tensor(positions), meta, last_rows

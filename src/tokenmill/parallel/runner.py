@@ -36,6 +36,7 @@ class TensorParallelRunner:
         self.workers = workers or []  # ranks this process started (this node's), stopped with it
         self.model = inner.model
         self.page_size, self.num_pages, self.kv_caches = inner.page_size, inner.num_pages, inner.kv_caches
+        self.kv_layout = inner.kv_layout
         self.kv_format, self.kv_bytes_per_token = inner.kv_format, inner.kv_bytes_per_token
         # A script that ends without shutdown() (no `with LLM(...)`) must still stop the ranks before
         # the interpreter's exit closes the group's sockets under them: each would otherwise log that

@@ -41,6 +41,7 @@ def engine_view(s: SchedulerStats, prev: SchedulerStats | None) -> dict[str, Any
         "generation_tokens_total": s.generation_tokens_total,
         "prefix_cache_hit_rate": s.prefix_cache_hit_tokens_total / queries if queries else None,
         "prefix_tree_top": s.prefix_tree_top,
+        "kv_groups": s.kv_groups,  # hybrid KV cache: pages per KV group ([] for one group)
         "step": {
             "prefill_tokens": s.last_step_prefill_tokens,
             "decode_rows": s.last_step_decode_rows,

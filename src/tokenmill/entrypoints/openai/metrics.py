@@ -149,6 +149,8 @@ class _EngineCollector:
         info = GaugeMetricFamily(*_CACHE_INFO, labels=["cache_dtype"])
         info.add_metric([s.kv_cache_dtype], 1.0)
         yield info
+        if s.kv_groups:
+            yield _group_pages([([], s)])
 
     def _collect_replicas(self, replicas: list[tuple[int, bool, SchedulerStats | None]]) -> Iterator[Metric]:
         up = GaugeMetricFamily("tokenmill:replica_up", "Data-parallel replica alive (1) or dead (0)",
@@ -167,3 +169,18 @@ class _EngineCollector:
             if s is not None:
                 info.add_metric([str(index), s.kv_cache_dtype], 1.0)
         yield info
+        grouped = [([str(index)], s) for index, _, s in replicas if s is not None and s.kv_groups]
+        if grouped:
+            yield _group_pages(grouped, ["replica"])
+
+
+def _group_pages(stats: list[tuple[list[str], SchedulerStats]], labels: list[str] | None = None) -> Metric:
+    """Pages per KV group of a hybrid KV cache (kvcache/kv_groups.py), in use by running requests or
+    cached in the prefix tree; `window` 0 is the full-attention group."""
+    metric = GaugeMetricFamily("tokenmill:kv_group_pages", "KV pages per KV group (hybrid KV cache)",
+                               labels=[*(labels or []), "group", "window", "state"])
+    for prefix, s in stats:
+        for g in s.kv_groups:
+            for state in ("in_use", "cached"):
+                metric.add_metric([*prefix, str(g["group"]), str(g["window"]), state], g[f"pages_{state}"])
+    return metric

@@ -225,7 +225,10 @@
         s.num_tokens + " / " + s.token_budget + " budget tokens (" + fmtPct(s.token_budget ? s.num_tokens / s.token_budget : null) +
         "), " + fmtNum(s.time_ms, 1) + " ms; " + fmtInt(s.count_total) + " steps so far");
       setText("kv-last", fmtInt(e.kv_pages_in_use) + " in use, " + fmtInt(e.kv_pages_cached) + " cached, " +
-        fmtInt(e.kv_pages_free) + " free of " + fmtInt(e.kv_pages_total) + " pages");
+        fmtInt(e.kv_pages_free) + " free of " + fmtInt(e.kv_pages_total) + " pages" +
+        (e.kv_groups && e.kv_groups.length ? "; by KV group (in use / cached): " + e.kv_groups.map((g) =>
+          (g.window ? "window " + g.window : "full") + " " + fmtInt(g.pages_in_use) + " / " + fmtInt(g.pages_cached)
+        ).join(", ") : ""));
       setText("hit-rate", fmtPct(e.prefix_cache_hit_rate));
       setText("hit-rate-recent", fmtPct(e.rates.prefix_cache_hit_rate));
       fillTable($("prefix-table").tBodies[0], (e.prefix_tree_top || []).map((p, i) => [
