@@ -17,10 +17,10 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("spec", "add_spec_parser"),
     ("serve", "add_serve_parser"),
     ("quality", "add_quality_parser"),
+    ("kv_cache", "add_kv_cache_parser"),
     ("soak", "add_soak_parser"),
     ("tokenizer_stall", "add_tokenizer_stall_parser"),
     ("disk_tier", "add_disk_tier_parser"),
-    ("kv_cache", "add_kv_cache_parser"),
     ("report", "add_report_parser"),
 )
 
