@@ -13,6 +13,15 @@ def test_prompts_are_seeded_and_about_the_asked_length():
     assert all(len(p.split()) == 250 for p in make_prompts(3, 250, seed=1))
 
 
+def test_shared_prefix_is_one_system_prompt_before_each_own_part():
+    own = make_prompts(4, 30, seed=5)
+    shared = make_prompts(4, 30, seed=5, shared_words=20)
+    prefixes = {" ".join(p.split()[:20]) for p in shared}
+    assert len(prefixes) == 1 and all(len(p.split()) == 50 for p in shared)
+    assert [" ".join(p.split()[20:]) for p in shared] == own  # the own parts do not move
+    assert prefixes != {" ".join(p.split()[:20]) for p in make_prompts(4, 30, seed=6, shared_words=20)}
+
+
 def test_percentile_interpolates_like_numpy():
     values = [4.0, 1.0, 3.0, 2.0]
     assert percentile(values, 50) == pytest.approx(2.5)

@@ -1,13 +1,13 @@
 """Microbenchmarks of the KV cache formats: the paged decode-attention kernel alone per cache dtype
 (csrc/paged_attention*.h), and what int8 rows lose on a real model's K/V.
 
-Why a script and not `tokenmill bench`: it times one C++ op on synthetic caches (SmolLM2's head layout,
-pages handed out in a shuffled order so that the block table jumps around the pool, as a long-running
-server's does), which isolates the kernel from the model, the sampler and the scheduler. Two shapes:
+`tokenmill bench kv-cache` (or `python -m tokenmill.bench.kv_cache`) times one C++ op on synthetic
+caches (SmolLM2's head layout, pages handed out in a shuffled order so that the block table jumps
+around the pool, as a long-running server's does), which isolates the kernel from the model, the sampler and the scheduler. Two shapes:
 `decode`, many sequences of one row each (the decode step at many streams), and `runs`, sequences of 16
 consecutive rows (speculative verification and fast mode's prompt chunks).
 
-    python -m tokenmill.bench.kv_cache --rows 64 --context 1024 --repeats 20
+    tokenmill bench kv-cache --rows 64 --context 1024 --repeats 20
 
 `--steps` times whole decode steps of the bundled model instead (fast mode, `--rows` streams of
 `--context` cached tokens, caches filled with random rows rather than prefilled), per dtype.
@@ -21,11 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from tokenmill.bench.common import at_least
 from tokenmill.model import cpu_attention_kernel as kernel
 from tokenmill.model.kv_cache_format import KVCacheFormat
 
@@ -121,37 +124,57 @@ def step_report(dtypes: list[str], streams: int, context: int, repeats: int, thr
               f"({runner.kv_bytes_per_token} KV bytes a token)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", default="fp32,bf16,int8", help="comma-separated cache dtypes")
-    p.add_argument("--rows", type=int, default=64, help="sequences of the decode shape")
-    p.add_argument("--context", type=int, default=1024, help="cached tokens of each sequence")
-    p.add_argument("--run-seqs", type=int, default=4, help="sequences of 16 rows in the runs shape")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--rows", type=at_least(1), default=64, help="sequences of the decode shape")
+    p.add_argument("--context", type=at_least(1), default=1024, help="cached tokens of each sequence")
+    p.add_argument("--run-seqs", type=at_least(1), default=4, help="sequences of 16 rows in the runs shape")
+    p.add_argument("--repeats", type=at_least(1), default=20)
+    p.add_argument("--num-threads", type=at_least(1), default=2)
     p.add_argument("--rounding", action="store_true", help="int8 rounding error on the bundled model's K/V instead")
     p.add_argument("--steps", action="store_true", help="whole decode steps of the bundled model at --rows streams")
-    a = p.parse_args(argv)
+
+
+def add_kv_cache_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("kv-cache", help="the paged decode-attention kernel per KV cache dtype (fp32, bf16, int8)")
+    add_arguments(p)
+    p.set_defaults(func=cmd_kv_cache)
+
+
+def cmd_kv_cache(a: argparse.Namespace) -> int:
+    dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    try:
+        formats = [KVCacheFormat.named(d) for d in dtypes]
+    except ValueError as exc:
+        print(f"error: --dtypes: {exc}", file=sys.stderr)
+        return 2
     torch.set_num_threads(a.num_threads)
     if a.rounding:
         rounding_report(512)
-        return
+        return 0
     if a.steps:
-        step_report([d.strip() for d in a.dtypes.split(",")], a.rows, a.context, a.repeats, a.num_threads)
-        return
+        step_report(dtypes, a.rows, a.context, a.repeats, a.num_threads)
+        return 0
     if not kernel.available():
-        raise SystemExit("the CPU attention kernel is not available")
+        print("error: the CPU attention kernel is not available", file=sys.stderr)
+        return 1
     kv_heads, group, hd, page_size = 3, 3, 64, 16  # SmolLM2-135M's attention
     print(f"threads {a.num_threads}, load {os.getloadavg()[0]:.2f}, context {a.context}, head_dim {hd}, "
           f"{kv_heads} KV heads x group {group}, page {page_size}; ms per call, median [min-max] of {a.repeats}")
-    for name in a.dtypes.split(","):
-        fmt = KVCacheFormat.named(name.strip())
+    for fmt in formats:
         for shape, seqs, rows in (("decode", a.rows, 1), ("runs", a.run_seqs, 16)):
             inputs = make_inputs(fmt, seqs, rows, a.context, kv_heads, group, hd, page_size)
             t = time_call(inputs, page_size, hd**-0.5, a.repeats)
             print(f"{fmt.name:5s} {shape:6s} {seqs:3d} x {rows:2d} rows: {statistics.median(t):8.3f} "
                   f"[{min(t):.3f}-{max(t):.3f}]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return cmd_kv_cache(p.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

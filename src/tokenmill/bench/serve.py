@@ -45,6 +45,9 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=int, default=None, help="requests per level (default: 2 x concurrency, >= 4)")
     p.add_argument("--prompt-words", type=int, default=250, help="words per prompt (~tokens)")
+    p.add_argument("--shared-prefix-words", type=int, default=0,
+                   help="words of a system prompt every request starts with, before its own --prompt-words "
+                        "(a prefix cache can share it)")
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict servers)")
     p.add_argument("--workload-seed", type=int, default=0)
@@ -85,9 +88,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 1 if any(r["errors"] for r in [*report["results"], *peer_results]) else 0
 
 
-def make_prompts(count: int, words: int, seed: int) -> list[str]:
+def make_prompts(count: int, words: int, seed: int, shared_words: int = 0) -> list[str]:
     rng = random.Random(seed)  # fixed sequence across versions: every server sees the same prompts
-    return [" ".join(rng.choice(_WORDS) for _ in range(words)) for _ in range(count)]
+    own = [" ".join(rng.choice(_WORDS) for _ in range(words)) for _ in range(count)]
+    if shared_words <= 0:
+        return own
+    # Its own stream, so that the own parts are the same with or without a shared prefix.
+    shared = " ".join(random.Random(f"shared-{seed}").choice(_WORDS) for _ in range(shared_words))
+    return [f"{shared} {text}" for text in own]
 
 
 @dataclass
@@ -131,7 +139,7 @@ async def _run(args: argparse.Namespace, levels: list[int]) -> dict | None:
         results: list[list[dict]] = [[] for _ in servers]
         for level in levels:
             n = args.requests or max(4, 2 * level)
-            prompts = make_prompts(n, args.prompt_words, args.workload_seed + level)
+            prompts = make_prompts(n, args.prompt_words, args.workload_seed + level, args.shared_prefix_words)
             # Level by level, one server right after the other: a change in the machine's load during
             # the run then hits both sides of a ratio alike.
             for server, server_results in zip(servers, results):
@@ -141,6 +149,7 @@ async def _run(args: argparse.Namespace, levels: list[int]) -> dict | None:
     main = servers[0]
     report: dict[str, Any] = {
         "settings": {"url": main.base, "model": main.model, "concurrency": levels, "prompt_words": args.prompt_words,
+                     "shared_prefix_words": args.shared_prefix_words,
                      "output_tokens": args.output_tokens, "ignore_eos": not args.no_ignore_eos,
                      "workload_seed": args.workload_seed, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
         "results": results[0],
@@ -260,7 +269,8 @@ def _summarize(level: int, samples: list[Sample], seconds: float) -> dict:
 
 def _print_report(report: dict) -> None:
     s = report["settings"]
-    print(f"{s['url']} model {s['model']}: ~{s['prompt_words']}-word prompts, {s['output_tokens']} output tokens, "
+    shared = f" after a shared {s['shared_prefix_words']}-word prefix" if s.get("shared_prefix_words") else ""
+    print(f"{s['url']} model {s['model']}: ~{s['prompt_words']}-word prompts{shared}, {s['output_tokens']} output tokens, "
           f"greedy, ignore_eos {'on' if s['ignore_eos'] else 'off'}")
     _print_table(report["results"])
     if "peer" in report:

@@ -1,0 +1,24 @@
+"""`tokenmill bench kv-cache`: reachable from the bench table, times the kernel per dtype, and names a
+bad dtype instead of raising."""
+
+from __future__ import annotations
+
+from tokenmill.entrypoints.cli import main
+from tokenmill.model import cpu_attention_kernel
+
+
+def test_unknown_dtype_is_a_usage_error(capsys):
+    assert main(["bench", "kv-cache", "--dtypes", "bf16,int9"]) == 2
+    assert "int9" in capsys.readouterr().err
+
+
+def test_times_each_shape_per_dtype(capsys):
+    argv = ["bench", "kv-cache", "--dtypes", "bf16,int8", "--rows", "2", "--context", "40", "--run-seqs", "1",
+            "--repeats", "2", "--num-threads", "1"]
+    if not cpu_attention_kernel.available():
+        assert main(argv) == 1
+        return
+    assert main(argv) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(w[0], w[1]) for w in lines] == [("bf16", "decode"), ("bf16", "runs"), ("int8", "decode"), ("int8", "runs")]
+    assert all(float(w[6]) > 0 for w in lines)  # the median, ms
