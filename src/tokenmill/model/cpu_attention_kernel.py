@@ -53,13 +53,17 @@ def paged_decode_attention(
     page_size: int,
     scale: float,
     isa: int = -1,  # tests: at most 0 baseline, 1 AVX2, 2 AVX-512; -1: the best the CPU has
+    window: int | None = None,  # sliding window in tokens (None: none)
+    softcap: float | None = None,  # scores capped as softcap * tanh(score / softcap) (None: none)
 ) -> torch.Tensor:  # [nd, num_heads, head_dim] float32
-    """Attention of one query token per sequence over its cached positions 0..seq_lens[i]-1."""
+    """Attention of one query token per sequence over its cached positions 0..seq_lens[i]-1, or
+    under a window the last `window` of them (the table's entries of pages wholly before those are
+    never read)."""
     # Loaded: skip available()'s environment lookup, ~7 us x 30 layers of every step.
     if _state is not True and not available():
         raise RuntimeError("the CPU paged-attention kernel is not available")
     op = torch.ops.tokenmill_cpu.paged_decode_attention
-    return op(q, k_cache, v_cache, block_table, seq_lens, page_size, scale, isa)
+    return op(q, k_cache, v_cache, block_table, seq_lens, page_size, scale, isa, window or 0, softcap or 0.0)
 
 
 def best_isa() -> int:

@@ -13,9 +13,10 @@ RoPE this module reuses):
 Norm weights are held as the multiplier they act as: Hugging Face files store w for x * (1 + w)
 and the loader adds the 1 (model/gemma_files.py); llama.cpp's converter already stored 1 + w.
 
-The fast path runs op by op (quantized linears, bf16 KV, the C++ decode kernel on full layers);
-the fused C++ elementwise ops and the fused decode step assume llama's layer structure and are not
-used here.
+Fast mode runs steps of decode rows (and short prompts sent as decode rows) as one C++ call over the
+layer stack (model/fused_decode_gemma.py) where the weights run the VNNI kernel; other steps run op
+by op (quantized linears, bf16 KV, the C++ paged-attention kernel, which takes the window and the
+soft-cap, for decode rows).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.fused_decode_gemma import GemmaFusedDecodeStack
 from tokenmill.model.layers.factory import LayerPolicy, make_embedding, make_linear
 from tokenmill.model.layers.quantized_linear import QuantizedLinear
 from tokenmill.model.llama import fused_rms_norm, rms_norm, weight_bytes
@@ -87,10 +89,6 @@ def _attention_for(config: ModelConfig, window: int | None) -> TorchPagedAttenti
 
 
 class GemmaForCausalLM:
-    # The runner may attend whole prompts as decode rows only through the C++ kernel, which the
-    # sliding layers cannot use (model/window_attention.py).
-    prompts_as_decode_rows = False
-
     def __init__(
         self,
         config: ModelConfig,
@@ -117,7 +115,10 @@ class GemmaForCausalLM:
         self.local_rope = RotaryEmbedding(local, max_positions) if c.rope_local_theta is not None else self.rope
         self.attention = attention or _attention_for(c, None)
         self.sliding_attention = _attention_for(c, c.sliding_window) if c.layer_types else self.attention
-        self.fused_decode = False
+        # The runner attends whole prompts as decode rows only through the C++ kernel (fast mode).
+        self.prompts_as_decode_rows = self.attention.kernel and self.sliding_attention.kernel
+        self.fused_decode = policy.precision == "fast" and GemmaFusedDecodeStack.supports(self)
+        self._decode_stack: GemmaFusedDecodeStack | None = None
 
     def forward(
         self,
@@ -131,11 +132,18 @@ class GemmaForCausalLM:
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = self.rope.lookup(positions)
         local = self.local_rope.lookup(positions) if self.local_rope is not self.rope else rope
+        if self.fused_decode and GemmaFusedDecodeStack.handles(x.shape[0], meta):
+            return self._stack_for(kv_caches).run(x, rope, local, meta)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             cos, sin = local if layer.sliding else rope
             attention = self.sliding_attention if layer.sliding else self.attention
             x = layer.forward(x, cos, sin, attention, k_cache, v_cache, meta.for_layer(i))
         return self.layers[0].norm(x, self.norm, self.config.rms_norm_eps)
+
+    def _stack_for(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> GemmaFusedDecodeStack:
+        if self._decode_stack is None or self._decode_stack.kv_caches is not kv_caches:
+            self._decode_stack = GemmaFusedDecodeStack(self, kv_caches)
+        return self._decode_stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that sample, soft-capped where the model says so (gemma2)."""
@@ -157,6 +165,8 @@ class GemmaForCausalLM:
         sliding = sum(layer.sliding for layer in self.layers)
         if sliding:
             lines.append(f"{sliding} of {len(self.layers)} layers attend a sliding window of "
-                         f"{self.config.sliding_window} tokens (PyTorch attention over the window's pages)")
-        lines.append("layers run op by op (no fused decode step for the gemma layer structure yet)")
+                         f"{self.config.sliding_window} tokens")
+        if self.fused_decode:
+            lines.append(f"steps of all decode rows (up to {GemmaFusedDecodeStack.MAX_ROWS}): one fused C++ call "
+                         "over the layer stack")
         return lines

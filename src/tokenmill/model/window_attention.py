@@ -2,9 +2,10 @@
 
 A sliding layer's query at position p sees keys p - window + 1 .. p (transformers'
 `sliding_window_overlay`, llama.cpp's LLAMA_SWA_TYPE_STANDARD). Gemma 2 also caps every score as
-cap * tanh(score / cap) before the mask. Neither fits the C++ decode kernel yet (it attends
-positions 0..len-1 with plain scores), so these layers run the PyTorch paths of attention.py with a
-banded mask, and gather only the pages the window covers: a sliding layer's decode row reads at most
+cap * tanh(score / cap) before the mask. Decode rows (and fast mode's prompts sent as decode rows)
+go through the C++ kernel, which takes both (csrc/paged_attention_common.h); without it, and for
+prefill chunks, these layers run the PyTorch paths of attention.py with a banded mask. Either way
+only the pages the window covers are read: a sliding layer's decode row reads at most
 window + page_size keys, however long its context.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.model import cpu_attention_kernel
 from tokenmill.model.attention import PrefillSpan, TorchPagedAttention
 
 
@@ -38,6 +40,9 @@ class WindowedPagedAttention(TorchPagedAttention):
 
     def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
         table, lengths, size = meta.decode_block_table, meta.decode_seq_lens, meta.page_size
+        if self.kernel and lengths is not None:
+            return cpu_attention_kernel.paged_decode_attention(
+                q, k_cache, v_cache, table, lengths, size, self.scale, window=self.window, softcap=self.softcap)
         nd, max_pages = table.shape
         lo = self._first_visible(lengths - 1)
         first_page = lo // size

@@ -276,10 +276,17 @@ struct DecodeStack : torch::CustomClassHolder {
 
 }  // namespace
 
+#include "decode_step_gemma.h"  // the gemma family's stack, over Part / Linear / linear_share above
+
 TORCH_LIBRARY(tokenmill_step, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>,
                        at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("run", &DecodeStack::run);
+  m.class_<GemmaDecodeStack>("GemmaDecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, std::vector<int64_t>, int64_t,
+                       int64_t, int64_t, double, double, double>())
+      .def("run", &GemmaDecodeStack::run);
 }

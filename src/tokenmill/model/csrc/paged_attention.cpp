@@ -10,7 +10,7 @@ using tm_kv::row_width;
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table_in, const at::Tensor& seq_lens_in,
-                                  int64_t page_size, double scale, int64_t isa) {
+                                  int64_t page_size, double scale, int64_t isa, int64_t window, double softcap) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be [nd, num_heads, head_dim] float32");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "k_cache/v_cache must be [kv_heads, slots, head_dim]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
@@ -20,6 +20,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK(k_cache.stride(2) == 1, "the KV cache's last dimension must be contiguous");
   TORCH_CHECK(!q_in.is_cuda() && !k_cache.is_cuda(), "CPU tensors only");
   TORCH_CHECK(page_size > 0, "page_size must be positive");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   const int64_t nd = q_in.size(0), num_heads = q_in.size(1), hd = q_in.size(2);
   const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == row_width(format, hd), "head_dim of q and the KV cache's rows differ");
@@ -41,7 +42,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t group = num_heads / kv_heads;
   const Isa chosen = selected_isa(isa);
   Plan plan = make_plan(table_ptr, lens_ptr, nd, max_pages, page_size, pool_pages, num_heads, kv_heads, hd,
-                        chosen, at::get_num_threads());
+                        chosen, at::get_num_threads(), window);
   const int64_t num_items = plan.num_items();
   std::vector<float> partial(static_cast<size_t>(plan.partial_size));
 
@@ -51,6 +52,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   Args a = make_args(plan, q.data_ptr<float>(), out.data_ptr<float>(), partial.data(), table_ptr, lens_ptr, max_pages,
                      page_size, num_heads, kv_heads, hd, static_cast<float>(scale), k_cache.stride(0),
                      k_cache.stride(1));
+  a.window = window;
+  a.softcap = static_cast<float>(softcap);
   a.k = k_cache.data_ptr();
   a.v = v_cache.data_ptr();
 
@@ -71,7 +74,7 @@ int64_t best_isa() { return static_cast<int64_t>(selected_isa(-1)); }
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-      "int page_size, float scale, int isa=-1) -> Tensor",
+      "int page_size, float scale, int isa=-1, int window=0, float softcap=0.0) -> Tensor",
       &paged_decode_attention);
   m.def("best_isa() -> int", &best_isa);
 }

@@ -90,9 +90,11 @@ struct Plan {
 // Validates every page id that will be read (a bad table is an error, not a wild read) and plans
 // the items. Rows that continue the previous row's sequence by one token (length + 1, the same
 // pages) join its run (speculative decoding's draft tokens), for the head dims the run path covers.
+// Under a sliding window (window > 0) the entries of pages wholly before a row's window are neither
+// checked nor read: a hybrid KV cache frees those pages.
 inline Plan make_plan(const int64_t* table_ptr, const int64_t* lens_ptr, int64_t nd, int64_t max_pages,
                       int64_t page_size, int64_t pool_pages, int64_t num_heads, int64_t kv_heads, int64_t hd,
-                      Isa chosen, int64_t threads) {
+                      Isa chosen, int64_t threads, int64_t window = 0) {
   Plan plan;
   const int64_t group = num_heads / kv_heads;
   const bool runs_ok = hd == 64 || hd == 128;
@@ -104,15 +106,17 @@ inline Plan make_plan(const int64_t* table_ptr, const int64_t* lens_ptr, int64_t
     TORCH_CHECK(len >= 0 && len <= max_pages * page_size, "seq_lens[", s, "] = ", len,
                 " does not fit the block table's ", max_pages, " pages");
     const int64_t used = (len + page_size - 1) / page_size;
-    for (int64_t p = 0; p < used; ++p) {
+    for (int64_t p = first_visible(len, window) / page_size; p < used; ++p) {
       const int64_t page = table_ptr[s * max_pages + p];
       TORCH_CHECK(page >= 0 && page < pool_pages, "block_table[", s, ", ", p, "] = ", page,
                   " is outside the pool of ", pool_pages, " pages");
     }
     if (runs_ok && s > 0 && units.back() < kMaxRunRows && lens_ptr[s - 1] > 0 && len == lens_ptr[s - 1] + 1) {
       const int64_t prev_used = (lens_ptr[s - 1] + page_size - 1) / page_size;
-      if (std::memcmp(table_ptr + (s - 1) * max_pages, table_ptr + s * max_pages,
-                      static_cast<size_t>(prev_used) * sizeof(int64_t)) == 0) {
+      // From the run's first row's window on: the kernel reads the last row's entries from there.
+      const int64_t p0 = first_visible(lens_ptr[units[units.size() - 2]], window) / page_size;
+      if (std::memcmp(table_ptr + (s - 1) * max_pages + p0, table_ptr + s * max_pages + p0,
+                      static_cast<size_t>(prev_used - p0) * sizeof(int64_t)) == 0) {
         const int64_t rows = ++units.back();
         scores_size = std::max(scores_size, run_scratch(rows, group, len, hd, page_size));
         continue;
@@ -144,7 +148,8 @@ inline Plan make_plan(const int64_t* table_ptr, const int64_t* lens_ptr, int64_t
         for (int64_t h = 0; h < kv_heads; ++h) items.insert(items.end(), {r, 1, h, 0, 1, -1});
       continue;
     }
-    const int64_t pages_used = (lens_ptr[row0 + rows - 1] + page_size - 1) / page_size;
+    const int64_t pages_used = (lens_ptr[row0 + rows - 1] + page_size - 1) / page_size -
+                               first_visible(lens_ptr[row0], window) / page_size;
     int64_t parts = 1;
     if (base_items < 2 * threads) parts = std::min<int64_t>({(2 * threads + base_items - 1) / base_items, pages_used / 4, 8});
     parts = std::max<int64_t>(parts, 1);

@@ -59,6 +59,12 @@ struct Args {
   int64_t group;
   int64_t hd;
   float scale;
+  // Sliding window (tokens; 0: none): a row of length len sees positions first_visible(len, window)
+  // .. len - 1, and the block-table entries of pages wholly before that are never read (a hybrid KV
+  // cache may have freed them). softcap (0: none): scores become softcap * tanh(score / softcap)
+  // (Gemma 2). Both are tested once per row or item, outside the loops.
+  int64_t window;
+  float softcap;
   float* out;  // [nd, num_heads, hd]
   // Work items, kItemFields each: first row, rows (> 1: a run of one sequence's consecutive rows,
   // see attend_run_items), KV head, part, parts (a run's pages may be split between items), and the
@@ -66,6 +72,16 @@ struct Args {
   const int64_t* items;
   float* partial;
 };
+
+// First position a row of `len` tokens sees: len - window under a sliding window, else 0.
+TM_INLINE int64_t first_visible(int64_t len, int64_t window) {
+  return window > 0 && len > window ? len - window : 0;
+}
+
+// Gemma 2's soft-capping, in transformers' eager order: (score / cap), tanh, * cap.
+TM_INLINE void cap_scores(float* __restrict s, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / cap) * cap;
+}
 
 // Softmax numerators of the scores s[g, 0..len-1] in place (not normalised), and 1 / their sum in
 // s[group * len + g].

@@ -8,26 +8,34 @@
 namespace tm_attention {
 namespace {
 
-// What one item touches: query heads h0 .. h0 + heads - 1 of KV head kvh's group, of row `seq`.
+// What one item touches: query heads h0 .. h0 + heads - 1 of KV head kvh's group, of row `seq`,
+// over its visible positions lo .. len - 1 (lo > 0 under a sliding window), nv of them, on pages
+// first_page .. num_pages - 1. Scores are indexed by position - lo.
 template <typename R>
 struct RowItem {
   using E = typename R::Elem;
   const float* q;  // the first query head's vector
   float* out;
-  int64_t len;
+  int64_t len, lo, nv;
   const E* kbase;  // this KV head's rows
   const E* vbase;
   const int64_t* pages;
-  int64_t num_pages;
+  int64_t first_page, num_pages;
 
   TM_INLINE RowItem(const Args& a, int64_t seq, int64_t kvh, int64_t h0)
       : q(a.q + (seq * a.num_heads + kvh * a.group + h0) * a.hd),
         out(a.out + (seq * a.num_heads + kvh * a.group + h0) * a.hd),
         len(a.lens[seq]),
+        lo(first_visible(len, a.window)),
+        nv(len - lo),
         kbase(static_cast<const E*>(a.k) + kvh * a.head_stride),
         vbase(static_cast<const E*>(a.v) + kvh * a.head_stride),
         pages(a.table + seq * a.max_pages),
+        first_page(lo / a.page_size),
         num_pages((len + a.page_size - 1) / a.page_size) {}
+
+  // The first row of page p this item reads (past lo on the window's first page).
+  TM_INLINE int64_t first_row(int64_t p, int64_t page_size) const { return std::max<int64_t>(0, lo - p * page_size); }
 };
 
 // Any head_dim, plain loops the compiler vectorises. `scores` holds group * (len + 1) floats, `acc`
@@ -37,18 +45,19 @@ TM_INLINE void attend_one_scalar(const Args& a, int64_t seq, int64_t kvh, float*
                                  float* __restrict acc) {
   const RowItem<R> it(a, seq, kvh, 0);
   const int64_t hd = a.hd, group = a.group, len = it.len, page_size = a.page_size, slot_stride = a.slot_stride;
+  const int64_t nv = it.nv;
   if (len <= 0) {
     std::fill(it.out, it.out + group * hd, 0.0f);
     return;
   }
-  for (int64_t p = 0; p < it.num_pages; ++p) {
+  for (int64_t p = it.first_page; p < it.num_pages; ++p) {
     const int64_t first = p * page_size;
     const int64_t n = std::min(page_size, len - first);
     const typename R::Elem* kpage = it.kbase + it.pages[p] * page_size * slot_stride;
     for (int64_t g = 0; g < group; ++g) {
       const float* __restrict qg = it.q + g * hd;
-      float* __restrict sg = scores + g * len + first;
-      for (int64_t t = 0; t < n; ++t) {
+      float* __restrict sg = scores + g * nv + first - it.lo;
+      for (int64_t t = it.first_row(p, page_size); t < n; ++t) {
         const typename R::Row krow = R::row(kpage + t * slot_stride);
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -57,16 +66,17 @@ TM_INLINE void attend_one_scalar(const Args& a, int64_t seq, int64_t kvh, float*
       }
     }
   }
-  softmax_rows(scores, group, len);
+  if (a.softcap > 0.0f) cap_scores(scores, group * nv, a.softcap);
+  softmax_rows(scores, group, nv);
   std::fill(acc, acc + group * hd, 0.0f);
-  for (int64_t p = 0; p < it.num_pages; ++p) {
+  for (int64_t p = it.first_page; p < it.num_pages; ++p) {
     const int64_t first = p * page_size;
     const int64_t n = std::min(page_size, len - first);
     const typename R::Elem* vpage = it.vbase + it.pages[p] * page_size * slot_stride;
     for (int64_t g = 0; g < group; ++g) {
-      const float* __restrict wg = scores + g * len + first;
+      const float* __restrict wg = scores + g * nv + first - it.lo;
       float* __restrict ag = acc + g * hd;
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = it.first_row(p, page_size); t < n; ++t) {
         const typename R::Row vrow = R::row(vpage + t * slot_stride);
         const float w = wg[t];
 #pragma omp simd
@@ -75,7 +85,7 @@ TM_INLINE void attend_one_scalar(const Args& a, int64_t seq, int64_t kvh, float*
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = scores[group * len + g];
+    const float inv = scores[group * nv + g];
 #pragma omp simd
     for (int64_t d = 0; d < hd; ++d) it.out[g * hd + d] = acc[g * hd + d] * inv;
   }
@@ -94,6 +104,7 @@ TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0,
   using E = typename R::Elem;
   const RowItem<R> it(a, seq, kvh, h0);
   const int64_t len = it.len, page_size = a.page_size, slot_stride = a.slot_stride, num_pages = it.num_pages;
+  const int64_t p0 = it.first_page, nv = it.nv, lo = it.lo;
   if (len <= 0) {
     std::fill(it.out, it.out + G * HD, 0.0f);
     return;
@@ -109,13 +120,14 @@ TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0,
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) qg[g][c] = loadv<W>(it.q + g * HD + W * c);
 
-  for (int64_t p = 0; p < std::min(kPrefetchPages, num_pages); ++p) prefetch_page(it.kbase + it.pages[p] * page_elems, page_bytes);
-  for (int64_t p = 0; p < num_pages; ++p) {
+  for (int64_t p = p0; p < std::min(p0 + kPrefetchPages, num_pages); ++p) prefetch_page(it.kbase + it.pages[p] * page_elems, page_bytes);
+  for (int64_t p = p0; p < num_pages; ++p) {
     if (p + kPrefetchPages < num_pages) prefetch_page(it.kbase + it.pages[p + kPrefetchPages] * page_elems, page_bytes);
     const int64_t first = p * page_size;
     const int64_t n = std::min(page_size, len - first);
     const E* __restrict kpage = it.kbase + it.pages[p] * page_elems;
-    int64_t t = 0;
+    float* __restrict sp = scores + first - lo;  // position first + t's score of head g: sp[g * nv + t]
+    int64_t t = it.first_row(p, page_size);
     for (; t + 8 <= n; t += 8) {
       V part[G][8];
       for (int i = 0; i < 8; ++i) {
@@ -127,7 +139,7 @@ TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0,
           part[g][i] = d;
         }
       }
-      for (int g = 0; g < G; ++g) storev<8>(scores + g * len + first + t, hsum8(part[g]) * a.scale);
+      for (int g = 0; g < G; ++g) storev<8>(sp + g * nv + t, hsum8(part[g]) * a.scale);
     }
     for (; t < n; ++t) {
       V k[NC];
@@ -135,33 +147,35 @@ TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0,
       for (int g = 0; g < G; ++g) {
         V d = qg[g][0] * k[0];
         for (int c = 1; c < NC; ++c) d += qg[g][c] * k[c];
-        scores[g * len + first + t] = hsum<W>(d) * a.scale;
+        sp[g * nv + t] = hsum<W>(d) * a.scale;
       }
     }
   }
 
-  softmax_rows(scores, G, len);
+  if (a.softcap > 0.0f) cap_scores(scores, G * nv, a.softcap);
+  softmax_rows(scores, G, nv);
 
-  for (int64_t p = 0; p < std::min(kPrefetchPages, num_pages); ++p) prefetch_page(it.vbase + it.pages[p] * page_elems, page_bytes);
+  for (int64_t p = p0; p < std::min(p0 + kPrefetchPages, num_pages); ++p) prefetch_page(it.vbase + it.pages[p] * page_elems, page_bytes);
   V acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = V{};
-  for (int64_t p = 0; p < num_pages; ++p) {
+  for (int64_t p = p0; p < num_pages; ++p) {
     if (p + kPrefetchPages < num_pages) prefetch_page(it.vbase + it.pages[p + kPrefetchPages] * page_elems, page_bytes);
     const int64_t first = p * page_size;
     const int64_t n = std::min(page_size, len - first);
     const E* __restrict vpage = it.vbase + it.pages[p] * page_elems;
-    for (int64_t t = 0; t < n; ++t) {
+    const float* __restrict wp = scores + first - lo;
+    for (int64_t t = it.first_row(p, page_size); t < n; ++t) {
       V v[NC];
       row_vectors(vpage + t * slot_stride, v);
       for (int g = 0; g < G; ++g) {
-        const float w = scores[g * len + first + t];
+        const float w = wp[g * nv + t];
         for (int c = 0; c < NC; ++c) acc[g][c] += w * v[c];
       }
     }
   }
   for (int g = 0; g < G; ++g) {
-    const float inv = scores[G * len + g];
+    const float inv = scores[G * nv + g];
     for (int c = 0; c < NC; ++c) storev<W>(it.out + g * HD + W * c, acc[g][c] * inv);
   }
 }

@@ -20,6 +20,9 @@ namespace {
 // The kernel is bound by multiply-adds, which per-row items repeat for every row anyway; this
 // saves the per-row widening, loads and horizontal sums. Results match the per-row path's to
 // float rounding (the dot products are summed in another order).
+// Under a sliding window row r sees lo_r = first_visible(len0 + r) .. len0 + r - 1: the item covers
+// lo_0 .. lmax - 1 (pages before lo_0's are never touched), and positions some rows do not see (the
+// first and the last R - 1 or so) are masked lane by lane, like the lengths.
 template <typename Rd, int HD, int W>
 TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t kvh, int64_t part, int64_t parts,
                                 float* __restrict partial, float* __restrict scratch) {
@@ -39,12 +42,16 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   const E* kbase = static_cast<const E*>(a.k) + kvh * a.head_stride;
   const E* vbase = static_cast<const E*>(a.v) + kvh * a.head_stride;
   const int64_t* pages = a.table + (row0 + R - 1) * a.max_pages;
-  const int64_t total_pages = (lmax + page_size - 1) / page_size;
-  // This item's share of the pages: all of them, or part `part` of `parts` (see run_parts).
-  const int64_t page0 = total_pages * part / parts;
-  const int64_t num_pages = total_pages * (part + 1) / parts - page0;
+  const int64_t window = a.window;
+  const int64_t lo0 = first_visible(len0, window);  // the first position any row sees
+  const int64_t first_page = lo0 / page_size;
+  const int64_t total_pages = (lmax + page_size - 1) / page_size - first_page;
+  // This item's share of the visible pages: all of them, or part `part` of `parts` (see make_plan).
+  const int64_t page0 = first_page + total_pages * part / parts;
+  const int64_t num_pages = first_page + total_pages * (part + 1) / parts - page0;
   pages += page0;
-  const int64_t base = page0 * page_size;  // the first position this item covers
+  const int64_t base = page0 * page_size;  // the position of this item's first page's first row
+  const int64_t start = std::max(base, lo0);  // the first position this item reads
   const int64_t end = std::min(lmax, base + num_pages * page_size);
   const int64_t page_elems = page_size * slot_stride;
   const int64_t page_bytes = page_span_bytes<Rd>(page_size, slot_stride, HD);
@@ -60,8 +67,8 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     for (int d = 0; d < HD; ++d) qt[d * JP + j] = j < J ? q[d] : 0.0f;
   }
 
-  auto widen = [&](const E* src, int64_t n) {  // the page's rows as fp32, [n][HD]
-    for (int64_t t = 0; t < n; ++t) {
+  auto widen = [&](const E* src, int64_t t0, int64_t n) {  // the page's rows t0..n-1 as fp32, [n][HD]
+    for (int64_t t = t0; t < n; ++t) {
       const typename Rd::Row row = Rd::row(src + t * slot_stride);
       for (int c = 0; c < NC; ++c) storev<W>(kbuf + t * HD + W * c, Rd::template lanes<W>(row, W * c));
     }
@@ -72,11 +79,12 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     if (p + kPrefetchPages < num_pages) prefetch_page(kbase + pages[p + kPrefetchPages] * page_elems, page_bytes);
     const int64_t first = p * page_size;  // relative to base
     const int64_t n = std::min(page_size, end - base - first);
-    widen(kbase + pages[p] * page_elems, n);
+    const int64_t t0 = std::max<int64_t>(0, start - base - first);
+    widen(kbase + pages[p] * page_elems, t0, n);
     for (int64_t jv = 0; jv < JV; ++jv) {
       const float* __restrict qv = qt + jv * W;
       float* __restrict sv = st + first * JP + jv * W;
-      int64_t t = 0;
+      int64_t t = t0;
       for (; t + 8 <= n; t += 8) {
         V acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = V{};
@@ -94,27 +102,39 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     }
   }
 
-  // Softmax down each lane j over positions 0..len0 + j / G - 1 (of those this item covers), W lanes
-  // at a time; only the last R - 1 positions, which some rows do not reach, lane by lane. A lane with
-  // none of its positions here keeps max -inf and sum 0.
+  if (a.softcap > 0.0f) cap_scores(st + (start - base) * JP, (end - start) * JP, a.softcap);
+
+  // Softmax down each lane j over the positions its row sees, of those this item covers, W lanes at
+  // a time where every row sees them ([full_lo, full_hi)); the few others lane by lane, a position
+  // a lane does not see weighing 0. A lane with none of its positions here keeps max -inf, sum 0.
   float* __restrict sum = stat + JP;
-  const int64_t full_end = std::min(end, len0);  // positions [base, full_end) are in every row
+  const int64_t full_lo = std::max(start, first_visible(lmax, window));
+  const int64_t full_hi = std::max(full_lo, std::min(end, len0));
+  auto sees = [&](int64_t j, int64_t t) {  // row j / G (pad lanes: as if further rows) sees position t
+    const int64_t len = len0 + j / G;
+    return t < len && t >= first_visible(len, window);
+  };
+  auto edges = [&](auto&& f) {  // f(t) for the positions outside [full_lo, full_hi)
+    for (int64_t t = start; t < std::min(full_lo, end); ++t) f(t);
+    for (int64_t t = full_hi; t < end; ++t) f(t);
+  };
   for (int64_t jv = 0; jv < JV; ++jv) {
     V m = V{} - INFINITY;
-    for (int64_t t = base; t < full_end; ++t) {
+    for (int64_t t = full_lo; t < full_hi; ++t) {
       const V x = loadv<W>(st + (t - base) * JP + jv * W);
       m = x > m ? x : m;
     }
     storev<W>(stat + jv * W, m);
   }
-  for (int64_t t = std::max(base, len0); t < end; ++t) {
+  edges([&](int64_t t) {
     const float* __restrict s = st + (t - base) * JP;
-    for (int64_t j = std::min((t - len0 + 1) * G, JP); j < JP; ++j) stat[j] = s[j] > stat[j] ? s[j] : stat[j];
-  }
+    for (int64_t j = 0; j < JP; ++j)
+      if (sees(j, t)) stat[j] = s[j] > stat[j] ? s[j] : stat[j];
+  });
   for (int64_t jv = 0; jv < JV; ++jv) {
     const V m = loadv<W>(stat + jv * W);
     V total = V{};
-    for (int64_t t = base; t < full_end; ++t) {
+    for (int64_t t = full_lo; t < full_hi; ++t) {
       float* x = st + (t - base) * JP + jv * W;
       const V e = exp_nonpos_v<W>(loadv<W>(x) - m);
       storev<W>(x, e);
@@ -122,15 +142,17 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     }
     storev<W>(sum + jv * W, total);
   }
-  for (int64_t t = std::max(base, len0); t < end; ++t) {
+  edges([&](int64_t t) {
     float* __restrict s = st + (t - base) * JP;
-    const int64_t lo = std::min((t - len0 + 1) * G, JP);  // lanes below lo end before t: weight 0
-    for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
-    for (int64_t j = lo; j < JP; ++j) {
+    for (int64_t j = 0; j < JP; ++j) {
+      if (!sees(j, t)) {
+        s[j] = 0.0f;
+        continue;
+      }
       s[j] = exp_nonpos(s[j] - stat[j]);
       sum[j] += s[j];
     }
-  }
+  });
 
   std::fill(accb, accb + JP * HD, 0.0f);
   for (int64_t p = 0; p < std::min(kPrefetchPages, num_pages); ++p) prefetch_page(vbase + pages[p] * page_elems, page_bytes);
@@ -138,12 +160,13 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     if (p + kPrefetchPages < num_pages) prefetch_page(vbase + pages[p + kPrefetchPages] * page_elems, page_bytes);
     const int64_t first = p * page_size;
     const int64_t n = std::min(page_size, end - base - first);
-    widen(vbase + pages[p] * page_elems, n);
+    const int64_t t0 = std::max<int64_t>(0, start - base - first);
+    widen(vbase + pages[p] * page_elems, t0, n);
     for (int64_t j0 = 0; j0 < J; j0 += JB) {
       V acc[JB][NC];
       for (int jj = 0; jj < JB; ++jj)
         for (int c = 0; c < NC; ++c) acc[jj][c] = loadv<W>(accb + (j0 + jj) * HD + W * c);
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t0; t < n; ++t) {
         const float* __restrict s = st + (first + t) * JP + j0;
         V v[NC];
         for (int c = 0; c < NC; ++c) v[c] = loadv<W>(kbuf + t * HD + W * c);
