@@ -20,6 +20,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("soak", "add_soak_parser"),
     ("tokenizer_stall", "add_tokenizer_stall_parser"),
     ("disk_tier", "add_disk_tier_parser"),
+    ("make_moe", "add_make_moe_parser"),
     ("report", "add_report_parser"),
 )
 
