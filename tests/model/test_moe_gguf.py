@@ -148,6 +148,22 @@ def test_fast_mode_runs_experts_on_their_kernels_and_agrees_with_exact(moe_file)
     assert same >= 0.8 * NEW * len(PROMPTS), (got, greedy)
 
 
+def test_fast_mode_long_prompt_agrees_with_exact(tmp_path):
+    # 240 rows in one step: the dense parts run bf16 GEMMs and hand the experts bf16 rows, which each
+    # expert (a share of the rows, on the packed kernel) takes in fp32. Mixtral in Q8_0: llama's
+    # attention, so the fused ops and their bf16 rows apply (not to Qwen3's q/k norms or Qwen2's biases).
+    folder = make_tiny_model(tmp_path, "mixtral", tokenizer=False, **SIZES)
+    path, _ = write_moe_gguf(folder, tmp_path / "q8.gguf", lambda name: "Q8_0")
+    prompt = [int(i) for i in torch.randint(3, VOCAB, (240,), generator=torch.Generator().manual_seed(2))]
+    logits = []
+    for precision in ("fast", "exact"):
+        core = engine(path, precision, kv_cache_tokens=512)
+        assert precision == "exact" or core.runner.model.bf16_rows is not None
+        logits.append(core.runner.execute([SeqChunk(prompt, 0, list(range(16)), sample=True, all_logits=True)]))
+    fast, exact = logits
+    assert (fast.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
 CONVERTER = Path.home() / ".cache/tokenmill-peers/llama.cpp-0.3.36/convert_hf_to_gguf.py"
 
 
