@@ -245,7 +245,7 @@ def test_unsupported_gguf_architecture(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        ModelLoadError, match=r"unsupported architecture 'phi2' \(supported: gemma2, gemma3, llama, qwen2, qwen3\)"
+        ModelLoadError, match=r"unsupported architecture 'phi2' \(supported: gemma2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe\)"
     ):
         load_weights(str(path))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.model.attention import AttentionMetadata, TorchPagedAttention
+from tokenmill.model.fused_decode_moe import moe_binding
 from tokenmill.model.kernels import decode_step, quant_kernel
 from tokenmill.model.layers.factory import ConcatLinear
 from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS, QuantizedLinear
@@ -38,14 +39,20 @@ class FusedDecodeStack:
     @staticmethod
     def supports(model) -> bool:
         """Whether every layer is one the fused step computes: llama-style (no q/k norm, no biases),
-        all four linears on the VNNI kernel, the paged attention kernel, and the fused ops built."""
+        all four linears (or every expert's two) on the VNNI kernel, the paged attention kernel, and the fused ops built."""
         if not isinstance(model.attention, TorchPagedAttention) or not model.attention.kernel:
             return False
         if model.config.qk_norm or not decode_step.available():
             return False
-        # A layer without the four (a mixture of experts, model/moe.py) runs op by op.
-        return all(_blocked(getattr(layer, name, None)) is not None
-                   for layer in model.layers for name in ("qkv", "o_proj", "gate_up", "down"))
+        # A mixture-of-experts layer (model/moe.py) joins when every expert runs one blocked weight.
+        for layer in model.layers:
+            routed = hasattr(layer, "moe_block")
+            names = ("qkv", "o_proj") if routed else ("qkv", "o_proj", "gate_up", "down")
+            if any(_blocked(getattr(layer, name, None)) is None for name in names):
+                return False
+            if routed and moe_binding(layer) is None:
+                return False
+        return True
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         tensors: list[torch.Tensor] = []
@@ -53,17 +60,23 @@ class FusedDecodeStack:
         parts: list[int] = []
         for layer in model.layers:
             tensors += [layer.input_norm.contiguous(), layer.post_norm.contiguous()]
-            for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            routed = hasattr(layer, "moe_block")  # its MLP is bound below (no gate_up / down)
+            for part in (layer.qkv, layer.o_proj) + (() if routed else (layer.gate_up, layer.down)):
                 weights = _blocked(part)
                 parts.append(len(weights))
                 for w in weights:
                     tensors += [w.codes, w.scales, quant_kernel.or_empty(w.mins), quant_kernel.or_empty(w.subs)]
                     formats.append(w.fmt)
+            parts += [0, 0] if routed else []
         c = model.config
         self.kv_caches = kv_caches
         self._stack = decode_step.decode_stack(
             tensors, formats, parts, [k for k, _ in kv_caches], [v for _, v in kv_caches], model.norm.contiguous(),
             c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, model.attention.scale)
+        for i, layer in enumerate(model.layers):
+            moe = moe_binding(layer)
+            if moe is not None:
+                self._stack.set_moe(i, moe.tensors, moe.formats, moe.router, moe.shared_gate, moe.top_k, moe.norm)
 
     @classmethod
     def handles(cls, num_tokens: int, meta: AttentionMetadata) -> bool:

@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.model import gemma_files
+from tokenmill.model import gemma_files, moe_files
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.gguf_file import GGUFFile, read_gguf
 from tokenmill.model.quant_formats import GGUFWeight, format_of
@@ -30,7 +30,9 @@ from tokenmill.model.quant_formats import GGUFWeight, format_of
 GGUF_MAGIC = b"GGUF"
 
 # GGUF `general.architecture` -> registry key. Mistral GGUFs say "llama": llama.cpp converts them as llama.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", **gemma_files.GGUF_ARCHITECTURES}
+# Mixture-of-experts files: model/moe_files.py (a llama file with experts is mixtral).
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", **gemma_files.GGUF_ARCHITECTURES,
+                 **moe_files.GGUF_ARCHITECTURES}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -79,7 +81,14 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str]
             if tensor.name == _ROPE_FREQS:
                 rope_freqs = dequantize(tensor.data, GGMLQuantizationType[kind]).reshape(shape)
                 continue
-            name = _hf_name(tensor.name, path, arch)
+            m = _LAYER_TENSOR.fullmatch(tensor.name)
+            if config.moe is not None and m is not None and moe_files.is_expert_tensor(m.group(2)):
+                experts = moe_files.split_experts(tensor.data, kind, shape, m.group(2), config.architecture,
+                                                  f"model.layers.{m.group(1)}.", _read)
+                weights.update(experts)
+                types.update(dict.fromkeys(experts, kind))
+                continue
+            name = _hf_name(tensor.name, path, arch, config.architecture if config.moe else None)
             w = _read(tensor.data, kind, shape)
             for fix in _TENSOR_FIXES.get(arch, ()):
                 w = fix(name, w, config)
@@ -89,6 +98,8 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str]
             raise ModelLoadError(path, f"cannot read tensor {tensor.name!r} ({type(e).__name__}: {e})") from e
         weights[name] = w
         types[name] = kind
+    if config.moe is not None:
+        moe_files.fix_small_tensors(weights, config)
     if rope_freqs is not None:
         config = _with_llama3_scaling(config, rope_freqs, _meta(reader, f"{arch}.rope.dimension_count"), path)
     return config, weights, types
@@ -154,10 +165,14 @@ def _meta(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.metadata.get(key, default)
 
 
-def _hf_name(gguf_name: str, path: str, arch: str) -> str:
+def _hf_name(gguf_name: str, path: str, arch: str, moe_family: str | None = None) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_TENSOR.fullmatch(gguf_name)
+    if moe_family is not None and m is not None:
+        name = moe_files.layer_name(m.group(2), moe_family, f"model.layers.{m.group(1)}.")
+        if name is not None:
+            return f"{name}.{m.group(3)}"
     names = {**_LAYER_NAMES, **gemma_files.GGUF_LAYER_NAMES} if arch in gemma_files.GGUF_ARCHITECTURES else _LAYER_NAMES
     if m is None or m.group(2) not in names:
         raise ModelLoadError(path, f"unexpected tensor {gguf_name!r}: tokenmill does not know what it is")
@@ -209,6 +224,8 @@ def _config(reader: GGUFFile, path: str, arch: str) -> ModelConfig:
     )
     if arch in gemma_files.GGUF_ARCHITECTURES:
         config = gemma_files.gguf_config(config, lambda key: _meta(reader, key), arch, path)
+    if moe_files.family(arch, _meta(reader, f"{arch}.expert_count")) is not None:
+        config = moe_files.gguf_config(config, lambda key: _meta(reader, key), arch, names, path)
     return config
 
 

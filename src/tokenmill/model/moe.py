@@ -104,7 +104,9 @@ class MoEDecoderLayer(DecoderLayer):
         return out if self.combine is None else self.combine(out)
 
     def mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
-        return self.mlp(h)
+        # Steps of many rows hand the MLP bf16 rows (a dense MLP's GEMMs run bf16 there), but each
+        # expert sees only its share of them, few enough for the packed kernel, which takes fp32.
+        return self.mlp(h.float()).to(h.dtype)
 
     def mlp_parts(self) -> dict[str, object]:
         first = self.moe_block.experts[0]

@@ -19,6 +19,7 @@
 #include "fused_ops.h"
 #include "paged_attention.h"
 #include "quant_vnni.h"
+#include "decode_step_moe.h"
 
 #include <omp.h>
 
@@ -48,6 +49,7 @@ struct Layer {
   Linear qkv, o, gate_up, down;
   void* k_cache;
   void* v_cache;
+  int64_t moe = -1;  // index into DecodeStack::moe_blocks where the layer's MLP is routed experts
 };
 
 // [begin, end) of thread `tid`'s share of n items, as even as possible.
@@ -73,6 +75,7 @@ struct DecodeStack : torch::CustomClassHolder {
   int64_t hidden = 0, inter = 0, nq = 0, nkv = 0, hd = 0, num_slots = 0;
   double eps = 0, scale = 0;
   tm_kv::CacheFormat cache_format = tm_kv::kCacheF32;
+  std::vector<tm_moe::Block> moe_blocks;
 
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<int64_t> parts,
               std::vector<at::Tensor> k_caches,
@@ -82,7 +85,7 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t L = static_cast<int64_t>(k_caches.size());
     int64_t total_parts = 0;
     for (const int64_t n : parts) {
-      TORCH_CHECK(n > 0, "every linear needs a weight");
+      TORCH_CHECK(n >= 0, "a linear has no negative number of weights");
       total_parts += n;
     }
     TORCH_CHECK(L > 0 && static_cast<int64_t>(parts.size()) == 4 * L && static_cast<int64_t>(v_caches.size()) == L &&
@@ -128,9 +131,11 @@ struct DecodeStack : torch::CustomClassHolder {
         return l;
       };
       Linear qkv_l = linear(hidden), o_l = linear(nq * hd), gate_up_l = linear(hidden);
-      if (i == 0) inter = gate_up_l.N / 2;
+      if (inter == 0) inter = gate_up_l.N / 2;
       Linear down_l = linear(inter);
-      TORCH_CHECK(qkv_l.N == qkv_n && o_l.N == hidden && gate_up_l.N == 2 * inter && down_l.N == hidden,
+      // A layer without gate_up and down has routed experts, bound by set_moe.
+      const bool dense = gate_up_l.N == 2 * inter && down_l.N == hidden;
+      TORCH_CHECK(qkv_l.N == qkv_n && o_l.N == hidden && (dense || (gate_up_l.N == 0 && down_l.N == 0)),
                   "layer ", i, ": linear sizes do not match the heads, hidden and intermediate sizes");
       Layer layer{norms[0].data_ptr<float>(), norms[1].data_ptr<float>(), std::move(qkv_l), std::move(o_l),
                   std::move(gate_up_l), std::move(down_l), k_caches[i].data_ptr(), v_caches[i].data_ptr()};
@@ -138,6 +143,60 @@ struct DecodeStack : torch::CustomClassHolder {
       keep.push_back(k_caches[i]);
       keep.push_back(v_caches[i]);
     }
+  }
+
+  // Layer `index`'s MLP as routed experts (csrc/decode_step_moe.h): `tensors` holds per expert its
+  // gate_up then its down weight (codes, scales, mins, subs each, one blocked format per weight in
+  // `formats`), then the shared expert's two when `shared_gate` (fp32 [hidden]) is not empty;
+  // `router` is fp32 [experts, hidden].
+  void set_moe(int64_t index, std::vector<at::Tensor> tensors, std::vector<int64_t> formats, at::Tensor router,
+               at::Tensor shared_gate, int64_t top_k, bool norm) {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers.size()), "no layer ", index);
+    Layer& layer = layers[index];
+    TORCH_CHECK(layer.gate_up.N == 0 && layer.moe < 0, "layer ", index, " already has an MLP");
+    TORCH_CHECK(router.is_contiguous() && router.scalar_type() == at::kFloat && router.dim() == 2 &&
+                    router.size(1) == hidden, "the router must be contiguous float32 [experts, hidden]");
+    tm_moe::Block b;
+    b.E = router.size(0), b.k = top_k, b.norm = norm, b.router = router.data_ptr<float>();
+    b.has_shared = shared_gate.numel() > 0;
+    const int64_t weights = 2 * (b.E + (b.has_shared ? 1 : 0));
+    TORCH_CHECK(top_k >= 1 && top_k <= b.E, "top_k must be in 1..experts");
+    TORCH_CHECK(static_cast<int64_t>(formats.size()) == weights &&
+                    static_cast<int64_t>(tensors.size()) == weights * kTensorsPerPart,
+                "expected gate_up and down (4 tensors, a format each) per expert and shared expert");
+    auto weight = [&](int64_t j, int64_t K, int64_t& N) {
+      const at::Tensor* t = tensors.data() + j * kTensorsPerPart;
+      const int bits = tm_vnni::fmt_bits(static_cast<int>(formats[j]));
+      TORCH_CHECK(bits > 0, "unknown weight format ", formats[j]);
+      N = t[0].numel() * 8 / (K * bits);
+      return tm_vnni::check(t[0], t[1], t[2], t[3], formats[j], N, K);
+    };
+    auto expert = [&](int64_t j, int64_t& ff) {
+      int64_t n_gu = 0, n_down = 0;
+      tm_moe::Expert e{weight(j, hidden, n_gu), {}};
+      ff = n_gu / 2;
+      e.down = weight(j + 1, ff, n_down);
+      TORCH_CHECK(n_gu == 2 * ff && n_down == hidden && ff % tm_vnni::kCols == 0, "layer ", index,
+                  ": expert sizes do not match the hidden size");
+      return e;
+    };
+    for (int64_t e = 0; e < b.E; ++e) {
+      int64_t ff = 0;
+      b.experts.push_back(expert(2 * e, ff));
+      TORCH_CHECK(e == 0 || ff == b.ff, "layer ", index, ": experts of different widths");
+      b.ff = ff;
+    }
+    if (b.has_shared) {
+      TORCH_CHECK(shared_gate.is_contiguous() && shared_gate.scalar_type() == at::kFloat &&
+                      shared_gate.numel() == hidden, "the shared expert's gate must be contiguous float32 [hidden]");
+      b.shared = expert(2 * b.E, b.shared_ff);
+      b.shared_gate = shared_gate.data_ptr<float>();
+      keep.push_back(shared_gate);
+    }
+    keep.insert(keep.end(), tensors.begin(), tensors.end());
+    keep.push_back(router);
+    layer.moe = static_cast<int64_t>(moe_blocks.size());
+    moe_blocks.push_back(std::move(b));
   }
 
   // x [T, hidden] (the embeddings; updated in place as the residual stream), cos/sin [T, hd] per
@@ -170,6 +229,9 @@ struct DecodeStack : torch::CustomClassHolder {
 
     at::Tensor out = at::empty({T, hidden}, x.options());
     if (T == 0) return out;
+    for (const Layer& l : layers) TORCH_CHECK(l.gate_up.N > 0 || l.moe >= 0, "a layer has no MLP");
+    tm_moe::Scratch moe_scratch;
+    if (!moe_blocks.empty()) tm_moe::reserve(moe_scratch, moe_blocks, T, hidden, kTerms);
     // One buffer for every intermediate of a layer (reused by the next).
     const int64_t max_k = std::max({hidden, inter, nq * hd});
     const int64_t n_h = T * hidden, n_qkv = T * qkv_n, n_q = T * nq * hd, n_k = T * nkv * hd, n_gu = T * 2 * inter,
@@ -256,12 +318,16 @@ struct DecodeStack : torch::CustomClassHolder {
         tm_fused::add_rms_norm_rows_avx512(xp, delta, l.post_norm, hidden, e, h, r0, r1);
         tm_vnni::quantize_rows<kTerms>(h, hidden, r0, r1, a_hidden);
 #pragma omp barrier
-        linear_share(l.gate_up, a_hidden, T, gu, tid, team);
+        if (l.moe < 0) {
+          linear_share(l.gate_up, a_hidden, T, gu, tid, team);
 #pragma omp barrier
-        tm_fused::silu_mul_rows_avx512(gu, inter, act, r0, r1);
-        tm_vnni::quantize_rows<kTerms>(act, inter, r0, r1, a_inter);
+          tm_fused::silu_mul_rows_avx512(gu, inter, act, r0, r1);
+          tm_vnni::quantize_rows<kTerms>(act, inter, r0, r1, a_inter);
 #pragma omp barrier
-        linear_share(l.down, a_inter, T, delta, tid, team);
+          linear_share(l.down, a_inter, T, delta, tid, team);
+        } else {
+          tm_moe::ffn<kTerms>(moe_blocks[l.moe], moe_scratch, h, a_hidden, hidden, delta, tid, team);
+        }
 #pragma omp barrier
         const bool last = i + 1 == L;
         tm_fused::add_rms_norm_rows_avx512(xp, delta, last ? final_norm : layers[i + 1].input_norm, hidden, e,
@@ -283,6 +349,7 @@ TORCH_LIBRARY(tokenmill_step, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>,
                        at::Tensor, int64_t, int64_t, int64_t, double, double>())
+      .def("set_moe", &DecodeStack::set_moe)
       .def("run", &DecodeStack::run);
   m.class_<GemmaDecodeStack>("GemmaDecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
