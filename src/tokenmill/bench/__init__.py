@@ -17,6 +17,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("spec", "add_spec_parser"),
     ("serve", "add_serve_parser"),
     ("quality", "add_quality_parser"),
+    ("gguf_mixes", "add_mixes_parser"),
     ("soak", "add_soak_parser"),
     ("tokenizer_stall", "add_tokenizer_stall_parser"),
     ("disk_tier", "add_disk_tier_parser"),
