@@ -106,6 +106,12 @@ def test_prompt_rows_can_run_bf16_gemm_on_the_file_values(kind):
     assert ((got - exact).abs() <= bound * (1 + 2.0**-8)).all()
 
 
+def test_unknown_prompt_gemm_is_named():
+    bw, _, _ = weight("Q4_0", 32, 64, seed=0)
+    with pytest.raises(ValueError, match="prompt_gemm must be one of"):
+        QuantizedLinear(bw, None, prompt_gemm="fp8")
+
+
 @pytest.mark.parametrize("kind", TYPES)
 def test_embedding_rows(kind):
     k = 256 if kind in SUPER else 96
