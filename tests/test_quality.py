@@ -109,6 +109,26 @@ def test_held_out_text_is_bundled_with_the_package():
     assert 14_000 < len(text) < 20_000 and text.count("\n\n") >= 20
 
 
+def test_reference_mode_measures_the_batch_shape_floor(tmp_path, capsys):
+    # Two fast runs of one tiny model (one shared core) that differ only in batch shape: a 16-row
+    # prefill reference (bf16 GEMMs) against 2-row decode steps (fp32 slabs). Same-mode runs of one
+    # core give identical logits (test_identical_engines_agree_exactly's KL 0); these must not.
+    from tests.tiny_models import make_tiny_model
+    from tokenmill.entrypoints.cli import main
+
+    folder = make_tiny_model(tmp_path, "llama")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i} and more text" for i in range(60)))
+    out = tmp_path / "floor.json"
+    main(["bench", "quality", "--model", str(folder), "--text", str(text), "--window", "16", "--chunks", "2",
+          "--decode-batch", "2", "--mode", "decode", "--precision", "fast", "--reference-precision", "fast",
+          "--reference-mode", "prefill", "--num-threads", "1", "--json", str(out)])
+    r = json.loads(out.read_text())["results"]["decode"]
+    assert r["positions"] == 2 * 7
+    assert r["kl_max"] > 0.0
+    assert "reference fast-prefill" in capsys.readouterr().out
+
+
 # ---- the bounds, on the bundled model ----------------------------------------------------------
 # Eight windows of 256 (2,048 of the text's ~3,650 tokens, 1,016 scored positions per mode), decoded
 # 8 rows per step: the small-row path generation runs on. Windows of 256 rather than the CLI's 512

@@ -75,10 +75,11 @@ def test_relayout_is_lossless(kind):
 
 
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 48])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 48, BLOCKED_DENSE_MIN_ROWS + 8])
 def test_kernel_within_activation_rounding(kind, rows):
     # 1-2 rows: matrix-vector tiles with two chains; 3..8 one tile; 9, 17: uneven tiles; from 16 the
-    # threads split rows. K = 768 for super-blocks (3 of them), 160 (a ragged group) otherwise.
+    # threads split rows; a prompt's rows run this kernel too (PROMPT_GEMM "vnni", the default).
+    # K = 768 for super-blocks (3 of them), 160 (a ragged group) otherwise.
     k = 768 if kind in SUPER else 160
     bw, ref, _ = weight(kind, 64, k, seed=rows)
     x = torch.randn(rows, k)
@@ -91,18 +92,24 @@ def test_kernel_within_activation_rounding(kind, rows):
 
 
 @pytest.mark.parametrize("kind", TYPES)
-def test_prompt_rows_run_bf16_gemm_on_the_file_values(kind):
+def test_prompt_rows_can_run_bf16_gemm_on_the_file_values(kind):
     k = 512 if kind in SUPER else 160
     bw, ref, _ = weight(kind, 32, k, seed=3)
     rows = BLOCKED_DENSE_MIN_ROWS + 8
     x = torch.randn(rows, k)
-    got = QuantizedLinear(bw, None)(x).double()
+    got = QuantizedLinear(bw, None, prompt_gemm="bf16")(x).double()
     # bf16 activations and weights (each rounded once), fp32 accumulation over K (at most K units of
     # 2^-24 of sum |w x|), the output rounded to bf16 (8 significant bits: 2^-8 of it).
     xb, wb = x.bfloat16().double(), ref.bfloat16().double()
     exact = xb @ wb.T
     bound = exact.abs() * 2.0**-8 + k * 2.0**-24 * (xb.abs() @ wb.abs().T)
     assert ((got - exact).abs() <= bound * (1 + 2.0**-8)).all()
+
+
+def test_unknown_prompt_gemm_is_named():
+    bw, _, _ = weight("Q4_0", 32, 64, seed=0)
+    with pytest.raises(ValueError, match="prompt_gemm must be one of"):
+        QuantizedLinear(bw, None, prompt_gemm="fp8")
 
 
 @pytest.mark.parametrize("kind", TYPES)

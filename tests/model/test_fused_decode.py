@@ -13,6 +13,7 @@ from tokenmill.engine.factory import build_engine_core
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.fused_decode import FusedDecodeStack
 from tokenmill.model.kernels import decode_step
+from tokenmill.model.layers import quantized_linear
 from tokenmill.model.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and AVX512-VNNI")
@@ -134,11 +135,20 @@ def test_prompts_attend_through_the_paged_kernel_as_through_sdpa(fast_runner):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.98
 
 
+def test_prompt_steps_run_the_vnni_kernel_by_default(fast_runner):
+    """Prompt steps keep the file's values and fp32 activations by default: no bf16 rows anywhere."""
+    model = fast_runner().model
+    assert model.bf16_rows is None
+    assert not any("bf16" in line for line in model.describe())
+
+
 def test_large_steps_keep_activations_in_bf16_with_the_same_results(fast_runner):
     """From the linears' bf16-GEMM row count on, the fused ops pass bf16 activations straight to
     and from the GEMMs instead of converting them to float32 and back: the same numbers, up to the
-    order in which a norm adds its squares."""
-    runner = fast_runner()
+    order in which a norm adds its squares (prompt steps on the bf16 GEMM: not the default)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quantized_linear, "PROMPT_GEMM", "bf16")
+        runner = fast_runner()
     model = runner.model
     assert model.bf16_rows == FusedDecodeStack.MAX_ROWS + 1
     prompt = ids(model.bf16_rows + 20, 8)

@@ -18,6 +18,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("serve", "add_serve_parser"),
     ("quality", "add_quality_parser"),
     ("kv_cache", "add_kv_cache_parser"),
+    ("gguf_mixes", "add_mixes_parser"),
     ("soak", "add_soak_parser"),
     ("tokenizer_stall", "add_tokenizer_stall_parser"),
     ("model_switch", "add_model_switch_parser"),

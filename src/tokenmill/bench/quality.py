@@ -246,6 +246,10 @@ def add_quality_parser(subparsers: Any) -> None:
     p.add_argument("--reference-precision", choices=PRECISIONS, default="exact",
                    help="the reference (with its own auto KV dtype): fast with --kv-cache-dtype int8 measures int8 "
                         "K/V against bf16 K/V, everything else equal")
+    p.add_argument("--reference-mode", choices=["same", *MODES], default="same",
+                   help="run the reference this way whatever --mode says: with --reference-precision fast, "
+                        "`--reference-mode prefill --mode decode` measures the floor, how often two fast runs "
+                        "that differ only in batch shape disagree")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
     p.add_argument("--json", metavar="PATH", default=None, help="write settings and results here")
@@ -290,8 +294,9 @@ def cmd_quality(args: argparse.Namespace) -> int:
     settings = run_settings(base.threads)
     reports = {}
     for mode in MODES if args.mode == "both" else (args.mode,):
+        ref_mode = mode if args.reference_mode == "same" else args.reference_mode
         reports[mode] = measure_quality(
-            engine_logits(cores["reference"], mode), engine_logits(cores["candidate"], mode), token_ids,
+            engine_logits(cores["reference"], ref_mode), engine_logits(cores["candidate"], mode), token_ids,
             args.window, bos, args.chunks, windows_per_call=args.decode_batch if mode == "decode" else 1,
         )
     settings["load_average_end"] = run_settings(base.threads)["load_average"]
@@ -316,6 +321,8 @@ def _candidate(args: argparse.Namespace) -> str:
 def _print_reports(reports: dict[str, QualityReport], args: argparse.Namespace, text_tokens: int, text_path: str,
                    settings: dict) -> None:
     load, cand, ref = settings["load_average"], _candidate(args), args.reference_precision
+    if args.reference_mode != "same":
+        ref = f"{ref}-{args.reference_mode}"
     any_report = next(iter(reports.values()))
     print(f"{os.path.basename(text_path)}: {text_tokens} tokens, {any_report.windows} windows of {args.window}, "
           f"second half of each scored: {any_report.positions} positions; candidate {cand}, reference {ref}; "

@@ -5,9 +5,11 @@ On AVX512-VNNI CPUs the weight is re-laid once into column blocks (`to_blocked`,
 and calls run csrc/quant_vnni.h: measured with SmolLM2's shapes, all 30 layers streamed, 2 threads, it reads Q4
 weights at ~20 GB/s for one row (3.2 ms a token). From BLOCKED_DENSE_MIN_ROWS rows (prefill chunks)
 the blocked weight is dequantized to a temporary bf16 matrix (10 ms for all 30 layers) for oneDNN's
-GEMM: 2048 rows 1.27 s vs 1.58 s, and bf16 activations cost less quality there than int8 ones would
-(docs/benchmarks.md). Elsewhere the row-layout kernel (csrc/quant_linear.cpp) runs
-few rows, and many rows dequantize the weight to a temporary bf16 matrix for oneDNN's GEMM (paid
+GEMM: 2048 rows 1.27 s vs 1.58 s. That speed costs precision: the weights, activations and outputs are
+rounded to bf16 there, and on the held-out text it is ~90% of the fast path's KL to exact (prompt
+steps on the two-term VNNI kernel: KL 10x lower for ~13% more CPU; top-1 agreement stays at its
+floor either way, docs/benchmarks.md "Where the fast path's disagreement comes from").
+Elsewhere the row-layout kernel (csrc/quant_linear.cpp) runs few rows, and many rows dequantize the weight to a temporary bf16 matrix for oneDNN's GEMM (paid
 once per call, amortised over the rows; the temporary is freed after the call).
 """
 
@@ -20,8 +22,16 @@ from tokenmill.model.kernels import quant_kernel
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight, to_blocked
 
 # Blocked (VNNI) weights: 2-term VNNI vs dequantize + bf16 GEMM, 30 layers, 2 threads: 128 rows 95 vs
-# 97 ms, 256 rows 194 vs 158 ms.
+# 97 ms, 256 rows 194 vs 158 ms. Steps of fewer rows are decode steps (the fused decode step's limit).
 BLOCKED_DENSE_MIN_ROWS = 192
+# How blocked weights run steps of BLOCKED_DENSE_MIN_ROWS+ rows (prompts): "vnni", the two-term kernel
+# on the file's own values, or "bf16", dequantize + oneDNN's bf16 GEMM. "vnni" by default: on the
+# held-out text the bf16 GEMM's rounding (weights, activations, outputs to 8 significant bits) was
+# ~90% of the fast path's KL to exact and took Q5_K_M's prompt top-1 agreement to 98.8%; the kernel
+# costs ~13% more CPU on a 512-token prompt (docs/benchmarks.md, "Where the fast path's disagreement
+# comes from"). Read when a layer is built.
+PROMPT_GEMM = "vnni"
+PROMPT_GEMMS = ("vnni", "bf16")
 # Row-layout kernel only (no VNNI). Measured with SmolLM2-135M's shapes, all 30 layers streamed, 2 threads (docs/benchmarks.md): the
 # packed kernel wins clearly up to ~8 rows; from 16 rows dequantize + bf16 GEMM is as fast or faster.
 DENSE_MIN_ROWS = 12
@@ -31,9 +41,12 @@ NEVER_DENSE = 1 << 62
 
 class QuantizedLinear:
     def __init__(self, weight: QuantizedWeight | BlockedWeight, bias: torch.Tensor | None,
-                 dense_min_rows: int = DENSE_MIN_ROWS):
+                 dense_min_rows: int = DENSE_MIN_ROWS, prompt_gemm: str | None = None):
         if isinstance(weight, QuantizedWeight) and weight.shape[0] % 16 == 0 and quant_kernel.vnni_available():
             weight = to_blocked(weight)
+        prompt_gemm = PROMPT_GEMM if prompt_gemm is None else prompt_gemm
+        if prompt_gemm not in PROMPT_GEMMS:
+            raise ValueError(f"prompt_gemm must be one of {PROMPT_GEMMS}, got {prompt_gemm!r}")
         self.weight = weight
         self.bias = bias
         self.dense_min_rows = dense_min_rows
@@ -41,7 +54,7 @@ class QuantizedLinear:
         # Decode calls this 121 times a token: the VNNI call is bound once here, not rebuilt per call
         # through wrappers (~3 us a call, ~6% of a batch-1 step).
         self._vnni = quant_kernel.bound_blocked_linear(weight) if isinstance(weight, BlockedWeight) else None
-        self._vnni_rows = max(dense_min_rows, BLOCKED_DENSE_MIN_ROWS)
+        self._vnni_rows = max(dense_min_rows, BLOCKED_DENSE_MIN_ROWS) if prompt_gemm == "bf16" else NEVER_DENSE
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._vnni is not None and x.shape[0] < self._vnni_rows and self.bias is None:
@@ -73,15 +86,15 @@ class QuantizedLinear:
     def bf16_from_rows(self) -> int | None:
         """From how many rows a bf16 input gives a bf16 output (the dequantize + bf16 GEMM path), or
         None where the layer always returns float32."""
-        if isinstance(self.weight, BlockedWeight) and self.bias is None and self.dense_min_rows < NEVER_DENSE:
+        if isinstance(self.weight, BlockedWeight) and self.bias is None and self._vnni_rows < NEVER_DENSE:
             return self._vnni_rows
         return None
 
     def describe(self) -> str:
         if isinstance(self.weight, BlockedWeight):
             path = "column-blocked AVX512-VNNI kernel, activations as two int8 terms"
-            if self.dense_min_rows < NEVER_DENSE:
-                path += f"; bf16 GEMM from {max(self.dense_min_rows, BLOCKED_DENSE_MIN_ROWS)} rows"
+            if self._vnni_rows < NEVER_DENSE:
+                path += f"; bf16 GEMM from {self._vnni_rows} rows"
             return f"{self.weight.kind} ({self.weight.bits}-bit, {path})"
         path = f"packed kernel below {self.dense_min_rows} rows, bf16 GEMM above" if self.kernel else "bf16 GEMM"
         return f"{self.weight.kind} ({self.weight.bits}-bit, {path})"
