@@ -14,8 +14,7 @@ import pytest
 
 from tests.server.fake_server import client_of, fake_app
 from tokenmill.entrypoints.openai import dashboard
-from tokenmill.entrypoints.openai.dashboard import DashboardStreams
-from tokenmill.entrypoints.openai.dashboard_feed import DashboardFeed
+from tokenmill.entrypoints.openai.dashboard import DashboardStreams, FeedsByModel
 
 KEY = "dash-secret"
 
@@ -86,7 +85,7 @@ def test_stream_sends_snapshots_at_its_cadence_and_ends_when_the_server_drains()
             value = "up"
 
     manager = Manager()
-    streams = DashboardStreams(DashboardFeed(lambda: manager, interval_s=0.01))
+    streams = DashboardStreams(FeedsByModel(lambda: manager, interval_s=0.01))
 
     async def read() -> list[str]:
         events = []

@@ -4,7 +4,7 @@ random-weight llama saved as a HF folder. Neither is loaded at start; requests t
 and concurrent, are each answered by the model they named (SmolLM2 by its greedy answer, the tiny
 one by its own offline greedy output); keep_alive 0 unloads a model and its next request loads it
 again; embeddings come from the model named; unknown names get the 404 of each protocol; /metrics, /health, /api/ps and timelines name
-the model (the dashboard: the most recently used one)."""
+the model (the dashboard: the one ?model= names, else the most recently used one)."""
 
 from __future__ import annotations
 
@@ -162,8 +162,12 @@ def test_metrics_health_and_timelines_name_the_model(server, oai):
     assert health.status_code == 200 and health.json() == {"status": "ok", "models": {"smol": "loaded", "tiny": "loaded"}}
     timeline = httpx.get(f"{server.url}/v1/requests/{done.id}/timeline", timeout=30).json()
     assert timeline["model"] == "smol" and timeline["sequences"][0]["model"] == "smol"
-    # the dashboard shows the most recently used model
+    # the dashboard shows the most recently used model, or the loaded one ?model= names
     assert httpx.get(f"{server.url}/v1/dashboard/snapshot", timeout=30).json()["model"] == "smol"
+    tiny_view = httpx.get(f"{server.url}/v1/dashboard/snapshot", params={"model": "tiny"}, timeout=30).json()
+    assert tiny_view["model"] == "tiny"
+    unknown = httpx.get(f"{server.url}/v1/dashboard/snapshot", params={"model": "nope"}, timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a loaded model its priority back needs CAP_SYS_NICE")

@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from tokenmill.entrypoints.openai.dashboard_feed import DashboardFeed
+from tokenmill.entrypoints.openai.dashboard_feed import DEFAULT_INTERVAL_S, DashboardFeed
 from tokenmill.frontend.tokenizer_manager import RequestError
 
 # Each open page holds one stream; past this many, new ones get 429 (a bound on the API process's
@@ -55,29 +55,55 @@ def dashboard_auth(api_key: str | None) -> Callable[[Request], Any]:
     return check
 
 
+class FeedsByModel:
+    """One DashboardFeed per model: behind the model router `manager()` answers the model the request
+    names (`?model=`) or the most recently used one, and each model keeps its own tick cache and its
+    own previous stats for the rates (mixing two models' counters would make nonsense deltas). With
+    one model this is the one feed."""
+
+    MAX_FEEDS = 16  # models loaded and unloaded over a server's life; the oldest feed goes first
+
+    def __init__(self, manager: Callable[[], Any], replicas: Callable[[], Any] = lambda: None,
+                 interval_s: float = DEFAULT_INTERVAL_S) -> None:
+        self.manager = manager
+        self.replicas = replicas
+        self.interval_s = interval_s
+        self._feeds: dict[int, tuple[Any, DashboardFeed]] = {}  # id(manager) -> (manager, its feed)
+
+    def current(self) -> DashboardFeed:
+        manager = self.manager()
+        held = self._feeds.get(id(manager))
+        if held is None or held[0] is not manager:
+            if len(self._feeds) >= self.MAX_FEEDS:
+                self._feeds.pop(next(iter(self._feeds)))
+            held = self._feeds[id(manager)] = (manager, DashboardFeed(lambda: manager, self.interval_s,
+                                                                        replicas=self.replicas))
+        return held[1]
+
+
 class DashboardStreams:
     """The SSE side: counts open streams and ends them when the server drains."""
 
-    def __init__(self, feed: DashboardFeed) -> None:
-        self.feed = feed
+    def __init__(self, feeds: FeedsByModel) -> None:
+        self.feeds = feeds
         self.open = 0
 
     async def events(self) -> AsyncIterator[str]:
         self.open += 1
         try:
             yield "retry: 2000\n\n"  # reconnect after 2 s if the connection drops
-            while not getattr(self.feed.manager(), "draining", False):
-                yield f"data: {json.dumps(self.feed.snapshot())}\n\n"
-                await asyncio.sleep(self.feed.interval_s)
+            while not getattr((feed := self.feeds.current()).manager(), "draining", False):
+                yield f"data: {json.dumps(feed.snapshot())}\n\n"
+                await asyncio.sleep(feed.interval_s)
             yield "event: end\ndata: {\"reason\": \"the server is shutting down\"}\n\n"
         finally:
             self.open -= 1
 
 
 def install_dashboard(app: FastAPI, manager: Callable[[], Any], api_key: str | None,
-                      replicas: Callable[[], Any] = lambda: None) -> DashboardFeed:
-    feed = DashboardFeed(manager, replicas=replicas)
-    streams = DashboardStreams(feed)
+                      replicas: Callable[[], Any] = lambda: None) -> FeedsByModel:
+    feeds = FeedsByModel(manager, replicas)
+    streams = DashboardStreams(feeds)
     auth = [Depends(dashboard_auth(api_key))]
 
     @app.get("/dashboard", dependencies=auth, include_in_schema=False)
@@ -93,7 +119,7 @@ def install_dashboard(app: FastAPI, manager: Callable[[], Any], api_key: str | N
     # an endless event stream is no operation a spec-driven client can call and check).
     @app.get("/v1/dashboard/snapshot", dependencies=auth, include_in_schema=False)
     async def dashboard_snapshot() -> JSONResponse:
-        return JSONResponse(feed.snapshot())
+        return JSONResponse(feeds.current().snapshot())
 
     @app.get("/v1/dashboard/stream", dependencies=auth, include_in_schema=False)
     async def dashboard_stream() -> Response:
@@ -103,4 +129,4 @@ def install_dashboard(app: FastAPI, manager: Callable[[], Any], api_key: str | N
         return StreamingResponse(streams.events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    return feed
+    return feeds

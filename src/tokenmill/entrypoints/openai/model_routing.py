@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -52,6 +53,10 @@ ROUTED_PATHS = frozenset({
     "/v1/messages", "/v1/messages/count_tokens",
     "/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/show",
 })
+
+# GET routes of the live view: `?model=NAME` shows that model (loaded ones only: a look never loads
+# one, and never holds it in flight); without it, the most recently used one.
+DASHBOARD_PATHS = frozenset({"/v1/dashboard/stream", "/v1/dashboard/snapshot"})
 
 
 class RoutedState:
@@ -112,6 +117,9 @@ class ModelRoutingMiddleware:
         self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in DASHBOARD_PATHS:
+            await self._dashboard(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTED_PATHS:
             await self.app(scope, receive, send)
             return
@@ -156,6 +164,27 @@ class ModelRoutingMiddleware:
             current_state.reset(token)
             load_wait_s.reset(waited)
             self.pool.release(entry, keep_alive)
+
+    async def _dashboard(self, scope: Scope, receive: Receive, send: Send) -> None:
+        name = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[0]
+        if name is None or not self._authorized(scope):  # the route's own check answers 401
+            await self.app(scope, receive, send)
+            return
+        entry = self.pool.router.find(name)
+        if entry is None:
+            error = unknown_model(name, list(self.pool.router.entries), scope["path"])
+        elif entry.state is not ModelState.LOADED:
+            error = RequestError(f"the model {name!r} is not loaded: the dashboard shows loaded models only "
+                                 "(a request naming it loads it)", 503, "model", "model_not_loaded")
+        else:
+            token = current_state.set(self.pool.engines[entry.name].state)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                current_state.reset(token)
+            return
+        payload, status = _error(scope["path"], error)
+        await JSONResponse(payload, status_code=status)(scope, receive, send)
 
     def _choose(self, path: str, body: bytes) -> tuple[ModelEntry, float | None]:
         try:

@@ -5,6 +5,7 @@
 (function () {
   const HISTORY = 240; // points kept per series: 60 s at the server's 0.25 s cadence
   const key = new URLSearchParams(window.location.search).get("api_key");
+  const model = new URLSearchParams(window.location.search).get("model");
   const history = { running: [], waiting: [], preempted: [], prefill: [], decode: [], draft: [], stepMs: [],
                     kvUsed: [], kvCached: [], kvFree: [], ttft50: [], ttft99: [], itl99: [], hitRate: [] };
   let updates = 0;
@@ -284,7 +285,11 @@
   }
 
   function connect() {
-    const url = "v1/dashboard/stream" + (key ? "?api_key=" + encodeURIComponent(key) : "");
+    // ?model=NAME picks one of several models (the server's model router); ?api_key= as below.
+    const query = new URLSearchParams();
+    if (key) query.set("api_key", key);
+    if (model) query.set("model", model);
+    const url = "v1/dashboard/stream" + (query.toString() ? "?" + query.toString() : "");
     const source = new EventSource(url);
     source.onmessage = (ev) => { showError(""); render(JSON.parse(ev.data)); };
     source.addEventListener("end", () => {
