@@ -27,6 +27,7 @@ from collections.abc import Callable
 import tokenizers
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model import tokenizer_cache
 from tokenmill.model.tokenizer_files import TokenizerFiles, load_tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -82,14 +83,28 @@ def read(path: str, model: str = "") -> TokenizerFiles:
 def export(model: str, path: str, niceness: int = 0) -> TokenizerFiles:
     """Build the tokenizer of `model` (absolute path) in a child process, write it to `path`, read it
     back. Blocks for the child's seconds (transformers' import and the build): call it off the loop.
-    niceness > 0: the child runs under `nice -n` (a model loading while others serve)."""
+    niceness > 0: the child runs under `nice -n` (a model loading while others serve). A build kept
+    from an earlier run on the same files (tokenizer_cache.py) is handed over instead."""
+    kept = tokenizer_cache.lookup(model, FORMAT)
+    if kept is not None:
+        try:
+            files = read(str(kept), model)
+            partial = f"{path}.{os.getpid()}.partial"
+            shutil.copyfile(kept, partial)
+            os.replace(partial, path)  # atomic: the detokenizers wait for this name
+            return files
+        except Exception as exc:  # truncated, not JSON, not a tokenizer: build it again
+            logger.warning("the kept tokenizer %s cannot be read (%s); building it again", kept, exc)
+            tokenizer_cache.drop(model, FORMAT)
     cmd = [sys.executable, "-m", __name__, model, path]
     nice = shutil.which("nice") if niceness else None
     # stderr is inherited: the build's own warnings belong in the server's log.
     proc = subprocess.run([nice, "-n", str(niceness), *cmd] if nice else cmd, stdin=subprocess.DEVNULL, check=False)
     if not os.path.exists(path):  # the child died before it could write even its error
         write(path, None, f"the tokenizer export process exited with {proc.returncode}")
-    return read(path, model)
+    files = read(path, model)  # raises the build's error: nothing is kept
+    tokenizer_cache.store(model, FORMAT, path)
+    return files
 
 
 def wait_for(path: str, model: str = "", keep_waiting: Callable[[], bool] = lambda: True) -> TokenizerFiles:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.cache_root import cache_root
+
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _BUILD_TIMEOUT_S = 600
 _CXXFLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w"]
@@ -53,10 +55,7 @@ class LazyExtension:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE_DIR")
-    if root:
-        return Path(root) / "kernels"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenmill" / "kernels"
+    return cache_root() / "kernels"
 
 
 def build_command(source: Path, output: Path, compiler: str) -> list[str]:
