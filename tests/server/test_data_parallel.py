@@ -116,7 +116,7 @@ def test_metrics_have_a_series_per_replica(server):
 
 # ---- destructive: keep last -------------------------------------------------------------------------
 def test_killed_replica_fails_its_requests_and_the_other_keeps_serving(server, client, model):
-    streams, extra = {}, []
+    streams, responses, extra = {}, {}, []
     for _ in range(6):  # one long stream on each replica (the router alternates, probes included)
         response = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1000,
                                              stream=True, extra_body={"ignore_eos": True})
@@ -124,6 +124,7 @@ def test_killed_replica_fails_its_requests_and_the_other_keeps_serving(server, c
         replica = replica_of_stream(server, next(stream).id)
         (extra if replica in streams else []).append(response)
         streams.setdefault(replica, stream)
+        responses.setdefault(replica, response)
         if len(streams) == 2:
             break
     for response in extra:
@@ -136,7 +137,13 @@ def test_killed_replica_fails_its_requests_and_the_other_keeps_serving(server, c
             pass
     for _ in range(3):  # the other replica's stream keeps producing
         assert next(streams[0]).choices[0].text is not None
-    streams[0].close()
+    # The response, not its iterator: closing a generator leaves the connection open, and the request
+    # would run on until the server's drain (20 s) at the module's end.
+    responses[0].close()
+    deadline = time.monotonic() + 10
+    while "tokenmill:num_requests_running{replica=\"0\"} 0.0" not in httpx.get(f"{server.url}/metrics", timeout=30).text:
+        assert time.monotonic() < deadline, "the closed stream's request still runs on replica 0"
+        time.sleep(0.2)
     deadline = time.monotonic() + 10
     while (health := httpx.get(f"{server.url}/health", timeout=30)).json().get("replicas_live") != 1:
         assert time.monotonic() < deadline, health.text
