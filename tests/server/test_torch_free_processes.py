@@ -3,7 +3,7 @@ the CLI, which spawned tokenizer workers re-import), the detokenizer and the tok
 text and ids only, and torch costs each ~250 MB. Checked in a fresh interpreter, since this test
 process has long imported torch: importing the entry modules, and the run-time path that used to pull
 it in, building the tokenizer from the file the export process hands over (model/tokenizer_export.py).
-The real server's processes are checked in tests/server/test_tokenizer_workers_server.py."""
+The real server's processes are checked in tests/server/test_overload.py (the tokenizer workers test)."""
 
 from __future__ import annotations
 
