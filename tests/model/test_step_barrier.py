@@ -10,7 +10,7 @@ import torch
 
 from tests.model.test_fused_decode import decode_chunks, ids, prefill
 from tests.tiny_models import make_tiny_model, write_tiny_gguf
-from tokenmill.bench.decode_step import BARRIER_KINDS
+from tokenmill.bench.decode_step import BARRIER_KINDS, captured_call
 from tokenmill.config import EngineConfig
 from tokenmill.engine.factory import build_engine_core
 from tokenmill.model.kernels import decode_step
@@ -33,27 +33,10 @@ def runner(request, tmp_path_factory) -> ModelRunner:
     return out
 
 
-class Recorder:
-    """Stands in for the C++ stack for one step and keeps its `run` arguments."""
-
-    def __init__(self, stack) -> None:
-        self.stack, self.args = stack, None
-
-    def run(self, *args):
-        self.args = args
-        return self.stack.run(*args)
-
-
 def captured(runner: ModelRunner, chunks: list[SeqChunk]):
     """The model's C++ stack and the arguments of its call for `chunks`."""
     runner.execute(chunks)  # binds the stack
-    holder = runner.model._decode_stack
-    recorder = holder._stack = Recorder(holder._stack)
-    try:
-        runner.execute(chunks)
-    finally:
-        holder._stack = recorder.stack
-    return recorder.stack, recorder.args
+    return captured_call(runner.model, lambda: runner.execute(chunks))
 
 
 def step(stack, args, kv_caches):

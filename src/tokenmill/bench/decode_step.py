@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 BARRIER_KINDS = {"omp": 0, "spin": 1}
@@ -38,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=50, help="calls a block")
     p.add_argument("--blocks", type=int, default=7)
-    p.add_argument("--barriers", default="omp", help="comma-separated kinds to alternate: omp, spin")
+    p.add_argument("--barriers", default="omp",
+                   help="comma-separated kinds to alternate: omp, spin, or spin:US (a spin budget of its own)")
     p.add_argument("--spin-us", type=int, default=50, help="the spin barrier's budget before it sleeps")
     p.add_argument("--barrier-stats", action="store_true", help="time every barrier (one extra block per kind)")
     p.add_argument("--json", metavar="PATH", default=None)
@@ -74,10 +76,16 @@ def capture_step(model_path: str, context: int, threads: int) -> tuple[Any, tupl
     pages = list(range(-(-(context + 8) // runner.page_size)))
     runner.execute([SeqChunk(prompt, 0, pages, sample=True)])
     runner.execute([SeqChunk([1234], context, pages, sample=True)])  # binds the stack
+    return captured_call(model, lambda: runner.execute([SeqChunk([1234], context + 1, pages, sample=True)]))
+
+
+def captured_call(model: Any, step: Callable[[], Any]) -> tuple[Any, tuple]:
+    """The C++ stack bound to `model` (by an earlier fused step) and the arguments `step`, a runner
+    step of decode rows, calls its `run` with."""
     holder = model._decode_stack
     recorder = holder._stack = _Recorder(holder._stack)
     try:
-        runner.execute([SeqChunk([1234], context + 1, pages, sample=True)])
+        step()
     finally:
         holder._stack = recorder.stack
     return recorder.stack, recorder.args
@@ -104,8 +112,10 @@ def _has_method(stack: Any, name: str) -> bool:
 
 
 def set_barrier(stack: Any, kind: str, spin_us: int, log: bool) -> None:
+    """`kind`: omp, spin (with `spin_us`) or spin:US."""
+    name, _, budget = kind.partition(":")
     if _has_method(stack, "set_barrier"):
-        stack.set_barrier(BARRIER_KINDS[kind], spin_us, log)
+        stack.set_barrier(BARRIER_KINDS[name], int(budget) if budget else spin_us, log)
     elif kind != "omp" or log:
         raise SystemExit(f"this tree's decode step has only `omp` barriers and no barrier stats (asked: {kind})")
 
@@ -114,7 +124,8 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     kinds = [k.strip() for k in args.barriers.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in BARRIER_KINDS]
+    unknown = [k for k in kinds if k.partition(":")[0] not in BARRIER_KINDS
+               or (k.partition(":")[2] and not k.partition(":")[2].isdigit())]
     if not kinds or unknown:
         raise SystemExit(f"--barriers: unknown kind(s) {unknown}; choose from {sorted(BARRIER_KINDS)}")
     stack, call_args = capture_step(args.model, args.context, args.num_threads)
