@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -72,11 +73,12 @@ def capture_step(model_path: str, context: int, threads: int) -> tuple[Any, tupl
     if not getattr(model, "fused_decode", False):
         raise SystemExit(f"{model_path}: its decode steps do not run the fused call (fast mode, AVX512-VNNI)")
     g = torch.Generator().manual_seed(0)
-    prompt = [int(t) for t in torch.randint(1000, 20000, (context,), generator=g)]
+    vocab = model.config.vocab_size
+    prompt = [int(t) for t in torch.randint(min(1000, vocab // 2), min(20000, vocab), (context,), generator=g)]
     pages = list(range(-(-(context + 8) // runner.page_size)))
     runner.execute([SeqChunk(prompt, 0, pages, sample=True)])
-    runner.execute([SeqChunk([1234], context, pages, sample=True)])  # binds the stack
-    return captured_call(model, lambda: runner.execute([SeqChunk([1234], context + 1, pages, sample=True)]))
+    runner.execute([SeqChunk(prompt[-1:], context, pages, sample=True)])  # binds the stack
+    return captured_call(model, lambda: runner.execute([SeqChunk(prompt[-1:], context + 1, pages, sample=True)]))
 
 
 def captured_call(model: Any, step: Callable[[], Any]) -> tuple[Any, tuple]:
@@ -120,14 +122,20 @@ def set_barrier(stack: Any, kind: str, spin_us: int, log: bool) -> None:
         raise SystemExit(f"this tree's decode step has only `omp` barriers and no barrier stats (asked: {kind})")
 
 
-def measure(args: argparse.Namespace) -> dict:
-    import torch
-
-    kinds = [k.strip() for k in args.barriers.split(",") if k.strip()]
+def barrier_kinds(text: str) -> list[str]:
+    """The kinds of `--barriers`; ValueError naming the bad ones."""
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
     unknown = [k for k in kinds if k.partition(":")[0] not in BARRIER_KINDS
                or (k.partition(":")[2] and not k.partition(":")[2].isdigit())]
     if not kinds or unknown:
-        raise SystemExit(f"--barriers: unknown kind(s) {unknown}; choose from {sorted(BARRIER_KINDS)}")
+        raise ValueError(f"--barriers: unknown kind(s) {unknown}; choose from omp, spin, spin:US")
+    return kinds
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import torch
+
+    kinds = barrier_kinds(args.barriers)
     stack, call_args = capture_step(args.model, args.context, args.num_threads)
     x0, rest = call_args[0].clone(), call_args[1:]
     x = x0.clone()
@@ -171,6 +179,11 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def cmd_decode_step(args: argparse.Namespace) -> int:
+    try:
+        barrier_kinds(args.barriers)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     result = measure(args)
     print(f"fused decode step of {os.path.basename(args.model)}, one row at {args.context} tokens of context "
           f"(best / median of {args.blocks} blocks of {args.steps}; load {result['load_start']} -> {result['load_end']})")
