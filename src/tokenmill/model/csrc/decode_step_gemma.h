@@ -1,8 +1,8 @@
 #pragma once
 // The fused decode step of the gemma family (Gemma 2 and 3): decode_step.cpp's one-call layer stack
 // with gemma's layer structure, for the same reason (one thread team per step, barriers between the
-// phases, no per-op Python or dispatch). Included by decode_step.cpp after its Part / Linear /
-// linear_share, which it reuses; model/fused_decode_gemma.py binds it.
+// phases, no per-op Python or dispatch), as gemma's sequence of the shared phases (decode_phases.h).
+// Included by decode_step.cpp; model/fused_decode_gemma.py binds it.
 //
 // What differs from the llama layer (model/gemma.py has the why of each):
 //   - four norms a layer: h = norm(x) into attention; x += norm(o(attn)); h = norm(x) into the MLP;
@@ -20,6 +20,10 @@
 #include <utility>
 
 namespace {
+
+using tm_step::kTerms;
+using tm_step::Linear;
+using tm_step::Worker;
 
 constexpr int64_t kGemmaNorms = 6;  // input, post-attention, pre-MLP, post-MLP, q (per head), k (per head)
 
@@ -71,21 +75,6 @@ __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))) void add_norme
   }
 }
 
-// The parts of the next linear of K inputs from `t` / `f` / `np` on (decode_step.cpp's order: codes,
-// scales, mins, subs and a format per part), advancing them.
-inline Linear read_linear(const at::Tensor*& t, const int64_t*& f, const int64_t*& np, int64_t K, int64_t layer) {
-  Linear l{{}, 0};
-  for (int64_t j = 0; j < *np; ++j, t += kTensorsPerPart, ++f) {
-    const int bits = tm_vnni::fmt_bits(static_cast<int>(*f));
-    TORCH_CHECK(bits > 0, "layer ", layer, ": unknown weight format ", *f);
-    const int64_t N = t[0].numel() * 8 / (K * bits);
-    l.parts.push_back(Part{tm_vnni::check(t[0], t[1], t[2], t[3], *f, N, K), N, l.N});
-    l.N += N;
-  }
-  ++np;
-  return l;
-}
-
 struct GemmaLayer {
   const float* norms[4];  // input, post-attention, pre-MLP, post-MLP
   const float* q_norm;  // nullptr: none (Gemma 2)
@@ -97,19 +86,14 @@ struct GemmaLayer {
   int64_t rope;  // which cos/sin pair
 };
 
-struct GemmaDecodeStack : torch::CustomClassHolder {
-  std::vector<at::Tensor> keep;
+struct GemmaDecodeStack : tm_step::StackBase {
   std::vector<GemmaLayer> layers;
-  const float* final_norm = nullptr;
-  int64_t hidden = 0, inter = 0, nq = 0, nkv = 0, hd = 0, num_slots = 0;
-  double eps = 0, scale = 0, softcap = 0;
-  tm_kv::CacheFormat cache_format = tm_kv::kCacheF32;
+  double softcap = 0;
 
   GemmaDecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<int64_t> parts,
                    std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor final_norm_in,
                    std::vector<int64_t> windows, std::vector<int64_t> ropes, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, double rms_eps, double attn_scale, double attn_softcap) {
-    TORCH_CHECK(tm_fused::use_avx512() && tm_vnni::vnni_supported(), "the fused decode step needs AVX512-VNNI");
     const int64_t L = static_cast<int64_t>(k_caches.size());
     int64_t total_parts = 0;
     for (const int64_t n : parts) {
@@ -119,20 +103,12 @@ struct GemmaDecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(L > 0 && static_cast<int64_t>(parts.size()) == 4 * L && static_cast<int64_t>(v_caches.size()) == L &&
                     static_cast<int64_t>(windows.size()) == L && static_cast<int64_t>(ropes.size()) == L &&
                     static_cast<int64_t>(formats.size()) == total_parts &&
-                    static_cast<int64_t>(tensors.size()) == L * kGemmaNorms + total_parts * kTensorsPerPart,
+                    static_cast<int64_t>(tensors.size()) == L * kGemmaNorms + total_parts * tm_step::kTensorsPerPart,
                 "expected per layer 6 norms, 4 linears of 4 tensors and a format per part, a K and V cache, "
                 "a window and a RoPE index");
-    nq = num_heads, nkv = num_kv_heads, hd = head_dim, eps = rms_eps, scale = attn_scale, softcap = attn_softcap;
-    TORCH_CHECK(nkv > 0 && nq % nkv == 0 && hd % 2 == 0 && hd <= 256 && softcap >= 0, "unsupported head layout");
-    hidden = final_norm_in.numel();
-    TORCH_CHECK(final_norm_in.is_contiguous() && final_norm_in.scalar_type() == at::kFloat,
-                "norm weights must be contiguous float32");
-    keep = tensors;
-    keep.push_back(final_norm_in);
-    final_norm = final_norm_in.data_ptr<float>();
-    const at::Tensor& c0 = k_caches[0];
-    cache_format = tm_kv::cache_format(c0.scalar_type());
-    num_slots = c0.size(1);
+    TORCH_CHECK(attn_softcap >= 0, "the attention soft-cap must be >= 0");
+    softcap = attn_softcap;
+    bind(tensors, final_norm_in, k_caches[0], num_heads, num_kv_heads, head_dim, rms_eps, attn_scale);
     const at::Tensor* t = tensors.data();
     const int64_t* f = formats.data();
     const int64_t* np = parts.data();
@@ -150,16 +126,13 @@ struct GemmaDecodeStack : torch::CustomClassHolder {
       }
       TORCH_CHECK((layer.q_norm == nullptr) == (layer.k_norm == nullptr), "layer ", i, ": q and k norms go together");
       t += kGemmaNorms;
-      for (const at::Tensor* c : {&k_caches[i], &v_caches[i]})
-        TORCH_CHECK(c->is_contiguous() && c->dim() == 3 && c->size(0) == nkv && c->size(1) == num_slots &&
-                        c->size(2) == tm_kv::row_width(cache_format, hd) && c->scalar_type() == c0.scalar_type(),
-                    "layer ", i, ": caches must be contiguous [num_kv_heads, slots, row] of one format");
+      bind_caches(k_caches[i], v_caches[i], k_caches[0], i);
       TORCH_CHECK(windows[i] >= 0 && (ropes[i] == 0 || ropes[i] == 1), "layer ", i, ": bad window or RoPE index");
-      layer.qkv = read_linear(t, f, np, hidden, i);
-      layer.o = read_linear(t, f, np, nq * hd, i);
-      layer.gate_up = read_linear(t, f, np, hidden, i);
+      layer.qkv = tm_step::read_linear(t, f, np, hidden, i);
+      layer.o = tm_step::read_linear(t, f, np, nq * hd, i);
+      layer.gate_up = tm_step::read_linear(t, f, np, hidden, i);
       if (i == 0) inter = layer.gate_up.N / 2;
-      layer.down = read_linear(t, f, np, inter, i);
+      layer.down = tm_step::read_linear(t, f, np, inter, i);
       TORCH_CHECK(layer.qkv.N == (nq + 2 * nkv) * hd && layer.o.N == hidden && layer.gate_up.N == 2 * inter &&
                       layer.down.N == hidden,
                   "layer ", i, ": linear sizes do not match the heads, hidden and intermediate sizes");
@@ -168,8 +141,6 @@ struct GemmaDecodeStack : torch::CustomClassHolder {
       layer.window = windows[i];
       layer.rope = ropes[i];
       layers.push_back(std::move(layer));
-      keep.push_back(k_caches[i]);
-      keep.push_back(v_caches[i]);
     }
   }
 
@@ -179,8 +150,7 @@ struct GemmaDecodeStack : torch::CustomClassHolder {
   at::Tensor run(at::Tensor x, std::vector<at::Tensor> cos_in, std::vector<at::Tensor> sin_in,
                  std::vector<at::Tensor> slots_in, std::vector<at::Tensor> tables_in, at::Tensor lens_in,
                  int64_t page_size) {
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == hidden,
-                "x must be contiguous float32 [T, hidden]");
+    check_step(x, page_size);
     const int64_t T = x.size(0), L = static_cast<int64_t>(layers.size());
     TORCH_CHECK(!cos_in.empty() && cos_in.size() == sin_in.size() && cos_in.size() <= 2, "one or two cos/sin tables");
     TORCH_CHECK(static_cast<int64_t>(slots_in.size()) == L && static_cast<int64_t>(tables_in.size()) == L,
@@ -193,7 +163,6 @@ struct GemmaDecodeStack : torch::CustomClassHolder {
                       sin[r].scalar_type() == at::kFloat,
                   "cos and sin must be float32 [T, head_dim]");
     }
-    TORCH_CHECK(page_size > 0 && num_slots % page_size == 0, "bad page size");
     const at::Tensor lens = lens_in.to(at::kLong).contiguous();
     TORCH_CHECK(lens.numel() == T, "one length per row");
     const int nt = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
@@ -233,108 +202,57 @@ struct GemmaDecodeStack : torch::CustomClassHolder {
       scores_size = std::max(scores_size, layer_plans[i]->scores_size);
       partial_size = std::max(partial_size, layer_plans[i]->partial_size);
     }
-    const int64_t group = nq / nkv, qkv_n = (nq + 2 * nkv) * hd;
+    const int64_t qkv_n = (nq + 2 * nkv) * hd;
 
     at::Tensor out = at::empty({T, hidden}, x.options());
     if (T == 0) return out;
-    const int64_t max_k = std::max({hidden, inter, nq * hd});
-    const int64_t n_h = T * hidden, n_qkv = T * qkv_n, n_q = T * nq * hd, n_k = T * nkv * hd, n_gu = T * 2 * inter,
-                  n_act = T * inter, n_acts = tm_vnni::acts_floats(T, max_k, kTerms);
-    at::Tensor buffer = at::empty({2 * n_h + n_qkv + 2 * n_q + n_k + n_gu + n_act + n_acts + partial_size + 16},
-                                  x.options());
-    float* h = buffer.data_ptr<float>();  // normed input of the next linear
-    float* delta = h + n_h;  // o_proj's, then down's output
-    float* qkv = delta + n_h;
-    float* q = qkv + n_qkv;
-    float* attn = q + n_q;
-    float* k = attn + n_q;
-    float* gu = k + n_k;
-    float* act = gu + n_gu;
-    float* partial = act + n_act;
-    float* acts_base = partial + partial_size;
-
+    tm_step::Scratch s = tm_step::make_scratch(*this, T, partial_size, false, x.options());
     float* xp = x.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    const tm_vnni::Acts a_hidden = tm_vnni::make_acts(acts_base, T, hidden, kTerms);
-    const tm_vnni::Acts a_attn = tm_vnni::make_acts(acts_base, T, nq * hd, kTerms);
-    const tm_vnni::Acts a_inter = tm_vnni::make_acts(acts_base, T, inter, kTerms);
     const int64_t row_elems = tm_kv::row_width(cache_format, hd);
     const tm_attention::RangeFn attend = tm_attention::avx512_fns[cache_format];
     const float e = static_cast<float>(eps);
     const int64_t rope_tables = static_cast<int64_t>(cos.size());
+    tm_step::StepLogs logs(barrier, nt);
 
 #pragma omp parallel num_threads(nt)
     {
-      const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-      std::vector<float> scores(static_cast<size_t>(scores_size));
-      std::vector<float> acc(static_cast<size_t>(group * hd));
-      int64_t r0, r1;  // this thread's rows
-      share(T, tid, team, r0, r1);
-      for (int64_t t = r0; t < r1; ++t) std::memcpy(h + t * hidden, xp + t * hidden, hidden * sizeof(float));
-      rms_norm_inplace(h + r0 * hidden, r1 - r0, hidden, hidden, layers[0].norms[0], e);
-      tm_vnni::quantize_rows<kTerms>(h, hidden, r0, r1, a_hidden);
-#pragma omp barrier
+      Worker w(T, scores_size, nq / nkv * hd, barrier, logs.logs);
+      for (int64_t t = w.r0; t < w.r1; ++t) std::memcpy(s.h + t * hidden, xp + t * hidden, hidden * sizeof(float));
+      rms_norm_inplace(s.h + w.r0 * hidden, w.r1 - w.r0, hidden, hidden, layers[0].norms[0], e);
+      tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
       for (int64_t i = 0; i < L; ++i) {
         const GemmaLayer& l = layers[i];
-        linear_share(l.qkv, a_hidden, T, qkv, tid, team);
-#pragma omp barrier
+        tm_step::linear_phase(l.qkv, s.a_hidden, T, s.qkv, w);
         if (l.q_norm != nullptr) {
-          for (int64_t t = r0; t < r1; ++t) {
-            rms_norm_inplace(qkv + t * qkv_n, nq, hd, hd, l.q_norm, e);
-            rms_norm_inplace(qkv + t * qkv_n + nq * hd, nkv, hd, hd, l.k_norm, e);
+          for (int64_t t = w.r0; t < w.r1; ++t) {
+            rms_norm_inplace(s.qkv + t * qkv_n, nq, hd, hd, l.q_norm, e);
+            rms_norm_inplace(s.qkv + t * qkv_n + nq * hd, nkv, hd, hd, l.k_norm, e);
           }
         }
         const int64_t rp = std::min(l.rope, rope_tables - 1);
-        tm_fused::rope_rows_avx512(qkv, qkv_n, cos[rp].data_ptr<float>(), sin[rp].data_ptr<float>(), nq, nkv, hd, q,
-                                   k, r0, r1);
-        const int64_t* sp = layer_slots[i];
-        for (int64_t t = r0; t < r1; ++t) {
-          for (int64_t j = 0; j < nkv; ++j) {
-            const int64_t row = j * num_slots + sp[t];
-            tm_fused::store_cache_row(true, cache_format, k + (t * nkv + j) * hd, l.k_cache, row, hd);
-            tm_fused::store_cache_row(true, cache_format, qkv + t * qkv_n + (nq + nkv + j) * hd, l.v_cache, row, hd);
-          }
-        }
-#pragma omp barrier
-        {
-          const tm_attention::Plan& plan = *layer_plans[i];
-          tm_attention::Args la = tm_attention::make_args(plan, q, attn, partial, layer_tables[i], lens.data_ptr<int64_t>(),
-                                                          max_pages[i], page_size, nq, nkv, hd,
-                                                          static_cast<float>(scale), num_slots * row_elems, row_elems);
-          la.k = l.k_cache;
-          la.v = l.v_cache;
-          la.window = l.window;
-          la.softcap = static_cast<float>(softcap);
-          const int64_t num_items = plan.num_items(), chunk = (num_items + team - 1) / team;
-          const int64_t i0 = std::min(num_items, tid * chunk), i1 = std::min(num_items, i0 + chunk);
-          if (i0 < i1) attend(la, i0, i1, scores.data(), acc.data());
-#pragma omp barrier
-          if (plan.partial_size > 0) {
-#pragma omp single
-            tm_attention::merge_parts(plan, partial, attn, nq, group, hd);
-          }
-        }
-        tm_vnni::quantize_rows<kTerms>(attn, nq * hd, r0, r1, a_attn);
-#pragma omp barrier
-        linear_share(l.o, a_attn, T, delta, tid, team);
-#pragma omp barrier
-        add_normed_rows(xp, delta, l.norms[1], l.norms[2], hidden, e, h, r0, r1);
-        tm_vnni::quantize_rows<kTerms>(h, hidden, r0, r1, a_hidden);
-#pragma omp barrier
-        linear_share(l.gate_up, a_hidden, T, gu, tid, team);
-#pragma omp barrier
-        gelu_tanh_mul_rows(gu, inter, act, r0, r1);
-        tm_vnni::quantize_rows<kTerms>(act, inter, r0, r1, a_inter);
-#pragma omp barrier
-        linear_share(l.down, a_inter, T, delta, tid, team);
-#pragma omp barrier
+        tm_step::rope_store_phase(*this, s, cos[rp].data_ptr<float>(), sin[rp].data_ptr<float>(), layer_slots[i],
+                                  l.k_cache, l.v_cache, w);
+        const tm_attention::Plan& plan = *layer_plans[i];
+        tm_attention::Args la = tm_attention::make_args(plan, s.q, s.attn, s.partial, layer_tables[i],
+                                                        lens.data_ptr<int64_t>(), max_pages[i], page_size, nq, nkv,
+                                                        hd, static_cast<float>(scale), num_slots * row_elems, row_elems);
+        la.k = l.k_cache;
+        la.v = l.v_cache;
+        la.window = l.window;
+        la.softcap = static_cast<float>(softcap);
+        tm_step::attention_phase(*this, s, la, attend, plan, w);
+        tm_step::linear_phase(l.o, s.a_attn, T, s.delta, w);
+        add_normed_rows(xp, s.delta, l.norms[1], l.norms[2], hidden, e, s.h, w.r0, w.r1);
+        tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
+        tm_step::mlp_phase(*this, s, l.gate_up, l.down, T, w, gelu_tanh_mul_rows);
         const bool last = i + 1 == L;
-        add_normed_rows(xp, delta, l.norms[3], last ? final_norm : layers[i + 1].norms[0], hidden, e, last ? op : h,
-                        r0, r1);
-        if (!last) tm_vnni::quantize_rows<kTerms>(h, hidden, r0, r1, a_hidden);
-#pragma omp barrier
+        add_normed_rows(xp, s.delta, l.norms[3], last ? final_norm : layers[i + 1].norms[0], hidden, e,
+                        last ? op : s.h, w.r0, w.r1);
+        tm_step::quantize_phase(s.h, hidden, s.a_hidden, w, !last);
       }
     }
+    logs.finish(barrier);
     return out;
   }
 };
