@@ -46,12 +46,11 @@ def hf_model():
     return model.eval()
 
 
-@functools.lru_cache(maxsize=1)
 def hf_tokenizer():
-    from transformers import AutoTokenizer
+    """transformers' tokenizer of the bundled GGUF: one per test process (building it takes seconds)."""
+    from tests.tiny_models import bundled_tokenizer
 
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return bundled_tokenizer()
 
 
 def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 
 import numpy as np
@@ -12,7 +11,6 @@ import torch
 from tests.tiny_models import (
     ARCHS,
     LLAMA3_ROPE,
-    bundled_gguf,
     make_tiny_model,
     reference_model,
     reference_state_dict,
@@ -124,12 +122,10 @@ def test_old_style_config(tmp_path):
 
 @pytest.mark.slow
 def test_bundled_gguf_matches_transformers():
-    # from_pretrained(gguf_file=...) needs accelerate, which tokenmill does not depend on; this is
-    # the function it calls to dequantize, rename and un-permute the GGUF tensors.
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    # transformers' own GGUF loading (dequantize, rename, un-permute): the model every fidelity test
+    # compares with, loaded once per test process (tests/real_model.py).
+    from tests.real_model import hf_model
 
-    torch.set_num_threads(1)
     loaded = load_weights(None)
     c = loaded.config
     assert loaded.kind == "gguf" and loaded.source == default_model_path()
@@ -149,12 +145,9 @@ def test_bundled_gguf_matches_transformers():
     )
     assert c.rope_scaling is None and not c.attention_bias and not c.qk_norm
 
-    directory, name = bundled_gguf()
-    hf_config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    theirs = load_gguf_checkpoint(os.path.join(directory, name), return_tensors=True, model_to_load=skeleton)
-    assert_same_tensors(loaded.weights, theirs["tensors"])
+    theirs = dict(hf_model().state_dict())
+    assert torch.equal(theirs.pop("lm_head.weight"), theirs["model.embed_tokens.weight"])  # tied: one tensor
+    assert_same_tensors(loaded.weights, theirs)
 
 
 def test_nonexistent_path(tmp_path):

@@ -130,11 +130,12 @@ def test_reference_mode_measures_the_batch_shape_floor(tmp_path, capsys):
 
 
 # ---- the bounds, on the bundled model ----------------------------------------------------------
-# Eight windows of 256 (2,048 of the text's ~3,650 tokens, 1,016 scored positions per mode), decoded
-# 8 rows per step: the small-row path generation runs on. Windows of 256 rather than the CLI's 512
-# halve the decode steps; the whole run takes ~40 s at 2 threads on a loaded machine. The CLI runs
-# it, so its wiring is covered too.
-WINDOW, WINDOWS = 256, 8
+# Eight windows of 128 (1,024 of the text's ~3,650 tokens, 504 scored positions per mode), decoded
+# 8 rows per step: the small-row path generation runs on. Windows of 128 rather than the CLI's 512
+# cut the decode steps to a quarter; the whole run takes ~15 s at 2 threads on a quiet machine (the
+# full-text figures are `tokenmill bench quality`'s, in docs/benchmarks.md). The CLI runs it, so its
+# wiring is covered too.
+WINDOW, WINDOWS = 128, 8
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,10 @@ def test_structured_output_unchanged(pair):
 
 
 def test_ngram_each_prompt_alone():
+    # One row a step: the prompts whose own text the n-grams find (code, the long list, the number
+    # sequence) and a chat; the other prompts draft rarely and run the same path as above.
     llm = make_llm(speculative=ngram(3))
-    for case in cases():
-        assert_all_match(llm, [case])
+    for i in (2, 4, 5, 7):
+        assert_all_match(llm, [cases()[i]])
+    assert llm.stats()["spec_decode_num_accepted_tokens_total"] > 10
     assert_idle(llm)

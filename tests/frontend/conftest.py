@@ -36,8 +36,6 @@ def smol_tokenizer(smol_path: str) -> Tokenizer:
 
 @pytest.fixture(scope="session")
 def hf_smol_tokenizer(smol_path: str) -> Any:
-    from transformers import AutoTokenizer
+    from tests.tiny_models import bundled_tokenizer  # one per test process: building it takes seconds
 
-    return AutoTokenizer.from_pretrained(
-        os.path.dirname(smol_path), gguf_file=os.path.basename(smol_path), local_files_only=True
-    )
+    return bundled_tokenizer()

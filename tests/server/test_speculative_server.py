@@ -48,11 +48,11 @@ def test_streamed_and_whole_text_equal_the_offline_api_without_speculation(serve
     srv, llm = server
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
-    expected = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=48))[0].outputs[0]
-    whole = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=48)
+    expected = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    whole = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=32)
     assert whole.choices[0].text == expected.text
     assert whole.usage.completion_tokens == len(expected.token_ids)
-    chunks = list(client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=48, stream=True,
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=32, stream=True,
                                             stream_options={"include_usage": True}))
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert "".join(texts) == expected.text
