@@ -89,8 +89,8 @@ def test_three_ranks_on_the_bundled_model_match_transformers():
     # Exact mode: the all-reduce sums partial products in another order, yet every token agrees.
     # The long prompt is prefilled in three chunks beside the others' decode rows; 8 new tokens each:
     # three ranks on two cores make each step cost ~0.4 s, and the first tokens of the long prompt
-    # are where chunked prefill over the group would show. (Whole 32-token runs: tests/test_fidelity.py
-    # on one rank; the TP server module compares 12 more tokens with one rank's.)
+    # are where chunked prefill over the group would show. (Whole 24-token runs: tests/test_fidelity.py
+    # on one rank; the TP server module compares 12 tokens of a short prompt with one rank's.)
     short, long_ = cases()[0], max(cases(), key=lambda c: len(c[0]))
     with LLM(precision="exact", num_threads=3, tensor_parallel_size=3, max_num_batched_tokens=256) as llm:
         assert_all_match(llm, [short, long_, cases()[-1]], new_tokens=8)
