@@ -47,17 +47,18 @@ def weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[BlockedWeight, tor
 
 def two_term_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """|kernel - x @ w.T| bound [M, N]. Each activation is rounded to int8 twice per group of 32
-    (quant_vnni.h): term 1 leaves |r| <= d1 / 2 with d1 = amax / 127, term 2 rounds r with d2 =
-    amax|r| / 127 <= d1 / 254 and leaves <= d2 / 2, so |x - x'| <= amax / (2 * 127 * 254) for every
-    element of the group; products with the codes are exact integers. Plus fp32 rounding of the
-    per-group scaling and accumulation: (G + 8) units of 2^-24 of sum |w x| (x4 for the min terms,
-    which are of the size of the weights here)."""
+    (quant_acts.h): term 1 leaves |r| <= d1 / 2 (+ fp32 rounding) with d1 = amax / 127, term 2
+    rounds r on steps of d2 = d1 / 256 and leaves <= d2 / 2, or up to d2 where r / d2 rounds to
+    128 and saturates to 127, so |x - x'| <= 1.01 amax / (127 * 256) for every element of the
+    group; products with the codes are exact integers. Plus fp32 rounding of the per-group scaling
+    (the merged sum 256 D1 + D2 converted to fp32, one more rounding) and accumulation: (G + 10)
+    units of 2^-24 of sum |w x| (x4 for the min terms, which are of the size of the weights here)."""
     m, k = x.shape
     g = k // 32
     amax = x.double().abs().reshape(m, g, 32).amax(-1)  # [M, G]
     wabs = w.double().abs().reshape(w.shape[0], g, 32).sum(-1)  # [N, G]
-    rounding = amax @ wabs.T / (2 * 127 * 254) * (1 + 1e-5)
-    fp32 = (g + 8) * 2.0**-24 * 4 * (x.double().abs() @ w.double().abs().T)
+    rounding = amax @ wabs.T / (127 * 256) * 1.01
+    fp32 = (g + 10) * 2.0**-24 * 4 * (x.double().abs() @ w.double().abs().T)
     return rounding + fp32
 
 
