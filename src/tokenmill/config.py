@@ -143,10 +143,10 @@ class EngineConfig:
     # for gate_up); below that the layers are a wash, but the 49152-row lm_head is 3x faster in bf16
     # even for one row, so the lm_head ignores this threshold (model/llama.py).
     bf16_min_rows: int = 4
-    # fast only: how a GGUF's quantized weights run prompt steps (192+ rows). auto: by format, codes
-    # of 4 bits (Q4_0, Q4_1, Q4_K, IQ4) dequantized to bf16 for oneDNN's GEMM, wider ones (Q5, Q6_K,
-    # Q8_0) on the two-term int8 kernel, which keeps their values (top-1 vs exact >= 99% on every
-    # mix measured); vnni / bf16: one path for all (docs/benchmarks.md, "per-format prompt path").
+    # fast only: how a GGUF's quantized weights run prompt steps (192+ rows). auto: by format, Q4_1,
+    # Q4_K and IQ4 dequantized to bf16 for oneDNN's GEMM (~12% less CPU), the others (Q4_0, Q2/Q3_K,
+    # Q5, Q6_K, Q8_0) on the two-term int8 kernel, which keeps their values (top-1 vs exact >= 99% on
+    # every mix measured); vnni / bf16: one path for all (docs/benchmarks.md, "per-format prompt path").
     prompt_gemm: str = "auto"
     num_threads: int | None = None  # None: all cores
     seed: int = 0  # engine-level generator for unseeded requests

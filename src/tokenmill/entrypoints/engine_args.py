@@ -43,8 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
                    help="fast only. auto: run the file's quantized weights as they are; none: dequantize "
                         "them; int8/int4: also quantize unquantized weights at load (e.g. safetensors)")
     g.add_argument("--prompt-gemm", choices=list(PROMPT_GEMMS), default=d.prompt_gemm,
-                   help="fast only: how quantized weights run prompt steps. auto (default): 4-bit formats "
-                        "dequantized to bf16 for oneDNN, wider ones on the int8 kernel that keeps their values; "
+                   help="fast only: how quantized weights run prompt steps. auto (default): Q4_1, Q4_K and "
+                        "IQ4 dequantized to bf16 for oneDNN, the others on the int8 kernel that keeps their values; "
                         "vnni / bf16: one path for every format")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)

@@ -9,7 +9,7 @@ GEMM: 2048 rows 1.27 s vs 1.58 s. That speed costs precision: the weights, activ
 rounded to bf16 there, and on the held-out text it is ~90% of the fast path's KL to exact (prompt
 steps on the two-term VNNI kernel: KL 10x lower for ~13% more CPU, docs/benchmarks.md "Where the
 fast path's disagreement comes from"), more for formats with more bits per code: so the choice is per
-format (`prompt_gemm_for`: 4-bit codes on bf16, wider ones on the kernel), or the engine's setting.
+format (`prompt_gemm_for`: Q4_1, Q4_K, IQ4 on bf16, the others on the kernel), or the engine's setting.
 Elsewhere the row-layout kernel (csrc/quant_linear.cpp) runs few rows, and many rows dequantize the weight to a temporary bf16 matrix for oneDNN's GEMM (paid
 once per call, amortised over the rows; the temporary is freed after the call).
 """
@@ -21,20 +21,17 @@ import torch.nn.functional as F
 
 from tokenmill.model.kernels import quant_kernel
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight, to_blocked
+from tokenmill.model.quant_formats import FORMATS
 from tokenmill.model.quantization_modes import PROMPT_GEMMS
 
 # Blocked (VNNI) weights: 2-term VNNI vs dequantize + bf16 GEMM, 30 layers, 2 threads: 128 rows 95 vs
 # 97 ms, 256 rows 194 vs 158 ms. Steps of fewer rows are decode steps (the fused decode step's limit).
 BLOCKED_DENSE_MIN_ROWS = 192
 # How blocked weights run steps of BLOCKED_DENSE_MIN_ROWS+ rows (prompts): "vnni", the two-term kernel
-# on the file's own values, "bf16", dequantize + oneDNN's bf16 GEMM, or "auto", by the weight's code
-# bits (`prompt_gemm_for`). The engine setting `prompt_gemm` (EngineConfig, --prompt-gemm) picks one.
-# "auto" runs weights whose codes have at most this many bits on the bf16 GEMM. Rounding a weight to
-# bf16 (8 significant bits) moves it by up to 2^-9 of its size, and a b-bit code spans 2^b steps, so
-# the move is ~2^(b-9) of the format's own step: 1/32 for 4-bit codes (Q4_0/Q4_1/Q4_K, IQ4's 16-entry
-# codebook), 1/2 for Q8_0. Measured on the held-out text (docs/benchmarks.md, "GGUF mixes: per-format
-# prompt path"): the bundled Q4_1 keeps 99.1% top-1 on the bf16 GEMM, ~13% less CPU than the kernel,
-# while Q5_K_M's 5-8-bit layers fell to 98.8% there (99.6% on the kernel).
+# on the file's own values, "bf16", dequantize + oneDNN's bf16 GEMM, or "auto", per format
+# (`prompt_gemm_for`). The engine setting `prompt_gemm` (EngineConfig, --prompt-gemm) picks one.
+# "auto": a GGUF type's own choice (quant_formats/registry.py `bf16_prompt`, measured per format);
+# weights quantized at load (int4 / int8) by bits per code, bf16 for at most this many.
 BF16_PROMPT_MAX_BITS = 4
 # Row-layout kernel only (no VNNI). Measured with SmolLM2-135M's shapes, all 30 layers streamed, 2 threads (docs/benchmarks.md): the
 # packed kernel wins clearly up to ~8 rows; from 16 rows dequantize + bf16 GEMM is as fast or faster.
@@ -44,13 +41,17 @@ NEVER_DENSE = 1 << 62
 
 
 def prompt_gemm_for(weight: QuantizedWeight | BlockedWeight, setting: str = "auto") -> str:
-    """How `weight`'s prompt steps run: `setting` itself, or for "auto" bf16 when its codes have at
-    most BF16_PROMPT_MAX_BITS bits (its block decoder's `bits`, blocked_formats.FORMATS) and the VNNI
-    kernel otherwise. Row-layout weights (no VNNI) always take the bf16 GEMM for many rows."""
+    """How `weight`'s prompt steps run: `setting` itself, or for "auto" bf16 when every GGUF type the
+    weight holds allows it (registry `bf16_prompt`; "Q4_0+Q4_1" for a stacked one), or for weights
+    quantized at load when its codes have at most BF16_PROMPT_MAX_BITS bits, and the VNNI kernel
+    otherwise. Row-layout weights (no VNNI) always take the bf16 GEMM for many rows."""
     if setting not in PROMPT_GEMMS:
         raise ValueError(f"prompt_gemm must be one of {PROMPT_GEMMS}, got {setting!r}")
     if setting != "auto":
         return setting
+    kinds = weight.kind.split("+")
+    if all(k in FORMATS for k in kinds):
+        return "bf16" if all(FORMATS[k].bf16_prompt for k in kinds) else "vnni"
     return "bf16" if weight.bits <= BF16_PROMPT_MAX_BITS else "vnni"
 
 
