@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, fields
 
 from tokenmill.errors import InvalidRequest
-from tokenmill.model.quantization_modes import QUANTIZATIONS
+from tokenmill.model.quantization_modes import PROMPT_GEMMS, QUANTIZATIONS
 
 PRECISIONS = ("exact", "fast")
 # How K/V are stored in the page pool (model/kv_cache_format.py has the row formats).
@@ -143,6 +143,11 @@ class EngineConfig:
     # for gate_up); below that the layers are a wash, but the 49152-row lm_head is 3x faster in bf16
     # even for one row, so the lm_head ignores this threshold (model/llama.py).
     bf16_min_rows: int = 4
+    # fast only: how a GGUF's quantized weights run prompt steps (192+ rows). auto: by format, Q4_1,
+    # Q4_K and IQ4 dequantized to bf16 for oneDNN's GEMM (~12% less CPU), the others (Q4_0, Q2/Q3_K,
+    # Q5, Q6_K, Q8_0) on the two-term int8 kernel, which keeps their values (top-1 vs exact >= 99% on
+    # every mix measured); vnni / bf16: one path for all (docs/benchmarks.md, "per-format prompt path").
+    prompt_gemm: str = "auto"
     num_threads: int | None = None  # None: all cores
     seed: int = 0  # engine-level generator for unseeded requests
     # Radix-tree prefix cache: finished prompts' KV stays cached (evicted LRU when pages run short)
@@ -187,6 +192,9 @@ class EngineConfig:
                 "weights in fp32)", param="quantization",
             )
         self._check_kv_cache_dtype()
+        if self.prompt_gemm not in PROMPT_GEMMS:
+            raise InvalidRequest(f"prompt_gemm must be one of {PROMPT_GEMMS}, got {self.prompt_gemm!r}",
+                                 param="prompt_gemm")
         if not isinstance(self.kv_cache_disk_bytes, int) or self.kv_cache_disk_bytes < 1:
             raise InvalidRequest(f"kv_cache_disk_bytes must be an integer >= 1, got {self.kv_cache_disk_bytes!r}",
                                  param="kv_cache_disk_bytes")

@@ -47,17 +47,18 @@ def weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[BlockedWeight, tor
 
 def two_term_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """|kernel - x @ w.T| bound [M, N]. Each activation is rounded to int8 twice per group of 32
-    (quant_vnni.h): term 1 leaves |r| <= d1 / 2 with d1 = amax / 127, term 2 rounds r with d2 =
-    amax|r| / 127 <= d1 / 254 and leaves <= d2 / 2, so |x - x'| <= amax / (2 * 127 * 254) for every
-    element of the group; products with the codes are exact integers. Plus fp32 rounding of the
-    per-group scaling and accumulation: (G + 8) units of 2^-24 of sum |w x| (x4 for the min terms,
-    which are of the size of the weights here)."""
+    (quant_acts.h): term 1 leaves |r| <= d1 / 2 (+ fp32 rounding) with d1 = amax / 127, term 2
+    rounds r on steps of d2 = d1 / 256 and leaves <= d2 / 2, or up to d2 where r / d2 rounds to
+    128 and saturates to 127, so |x - x'| <= 1.01 amax / (127 * 256) for every element of the
+    group; products with the codes are exact integers. Plus fp32 rounding of the per-group scaling
+    (the merged sum 256 D1 + D2 converted to fp32, one more rounding) and accumulation: (G + 10)
+    units of 2^-24 of sum |w x| (x4 for the min terms, which are of the size of the weights here)."""
     m, k = x.shape
     g = k // 32
     amax = x.double().abs().reshape(m, g, 32).amax(-1)  # [M, G]
     wabs = w.double().abs().reshape(w.shape[0], g, 32).sum(-1)  # [N, G]
-    rounding = amax @ wabs.T / (2 * 127 * 254) * (1 + 1e-5)
-    fp32 = (g + 8) * 2.0**-24 * 4 * (x.double().abs() @ w.double().abs().T)
+    rounding = amax @ wabs.T / (127 * 256) * 1.01
+    fp32 = (g + 10) * 2.0**-24 * 4 * (x.double().abs() @ w.double().abs().T)
     return rounding + fp32
 
 
@@ -78,7 +79,8 @@ def test_relayout_is_lossless(kind):
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 48, BLOCKED_DENSE_MIN_ROWS + 8])
 def test_kernel_within_activation_rounding(kind, rows):
     # 1-2 rows: matrix-vector tiles with two chains; 3..8 one tile; 9, 17: uneven tiles; from 16 the
-    # threads split rows; a prompt's rows run this kernel too (PROMPT_GEMM "vnni", the default).
+    # threads split rows; a prompt's rows run this kernel too with prompt_gemm "vnni" (every format's
+    # choice then; "auto" picks it for codes wider than 4 bits).
     # K = 768 for super-blocks (3 of them), 160 (a ragged group) otherwise.
     k = 768 if kind in SUPER else 160
     bw, ref, _ = weight(kind, 64, k, seed=rows)
@@ -87,7 +89,7 @@ def test_kernel_within_activation_rounding(kind, rows):
     exact = x.double() @ ref.double().T
     got = quant_kernel.blocked_linear(x, bw).double()
     assert ((got - exact).abs() <= two_term_bound(x, ref)).all()
-    layer = QuantizedLinear(bw, None)
+    layer = QuantizedLinear(bw, None, prompt_gemm="vnni")
     assert torch.equal(layer(x), quant_kernel.blocked_linear(x, bw))
 
 
@@ -104,6 +106,32 @@ def test_prompt_rows_can_run_bf16_gemm_on_the_file_values(kind):
     exact = xb @ wb.T
     bound = exact.abs() * 2.0**-8 + k * 2.0**-24 * (xb.abs() @ wb.abs().T)
     assert ((got - exact).abs() <= bound * (1 + 2.0**-8)).all()
+
+
+# What "auto" runs a prompt step of each format on: the 4-bit formats whose mixes kept 99% top-1 on
+# the bf16 GEMM (quant_formats/registry.py), every other one on the kernel.
+AUTO_PROMPT_GEMM = {
+    "Q2_K": "vnni", "Q3_K": "vnni", "Q4_0": "vnni", "Q4_1": "bf16", "Q4_K": "bf16", "IQ4_NL": "bf16",
+    "IQ4_XS": "bf16", "Q5_0": "vnni", "Q5_1": "vnni", "Q5_K": "vnni", "Q6_K": "vnni", "Q8_0": "vnni",
+}
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_prompt_rows_take_their_formats_path_unless_one_is_asked_for(kind):
+    k = 256 if kind in SUPER else 64
+    bw, _, _ = weight(kind, 32, k, seed=4)
+    x = torch.randn(BLOCKED_DENSE_MIN_ROWS, k)
+    kernel = quant_kernel.blocked_linear(x, bw)
+    auto = QuantizedLinear(bw, None)
+    bf16 = AUTO_PROMPT_GEMM[kind] == "bf16"
+    assert auto.bf16_from_rows == (BLOCKED_DENSE_MIN_ROWS if bf16 else None)
+    assert torch.equal(auto(x), QuantizedLinear(bw, None, prompt_gemm="bf16")(x)) == bf16
+    assert torch.equal(auto(x), kernel) != bf16
+    # one row less is a decode step: the kernel whatever the prompt path
+    assert torch.equal(auto(x[1:]), quant_kernel.blocked_linear(x[1:], bw))
+    for setting in ("vnni", "bf16"):
+        assert QuantizedLinear(bw, None, prompt_gemm=setting).bf16_from_rows == (
+            BLOCKED_DENSE_MIN_ROWS if setting == "bf16" else None)
 
 
 def test_unknown_prompt_gemm_is_named():

@@ -13,7 +13,7 @@ from tokenmill.engine.factory import build_engine_core
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.fused_decode import FusedDecodeStack
 from tokenmill.model.kernels import decode_step
-from tokenmill.model.layers import quantized_linear
+from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS
 from tokenmill.model.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and AVX512-VNNI")
@@ -28,12 +28,13 @@ def fast_runner(request, tmp_path_factory):
     else:
         model, quantization = str(write_tiny_gguf(folder, tmp / "tiny.gguf", quant=request.param)), "auto"
 
-    def build(kv_dtype: torch.dtype = torch.bfloat16) -> ModelRunner:
+    def build(kv_dtype: torch.dtype = torch.bfloat16, prompt_gemm: str = "auto") -> ModelRunner:
         config = EngineConfig(model=model, precision="fast", quantization=quantization, num_threads=2,
-                              kv_cache_tokens=512)
+                              kv_cache_tokens=512, prompt_gemm=prompt_gemm)
         runner = build_engine_core(config).runner
         return ModelRunner(runner.model, runner.num_pages, runner.page_size, kv_dtype, prefill_as_decode_rows=True)
 
+    build.kind = request.param
     return build
 
 
@@ -135,20 +136,28 @@ def test_prompts_attend_through_the_paged_kernel_as_through_sdpa(fast_runner):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.98
 
 
-def test_prompt_steps_run_the_vnni_kernel_by_default(fast_runner):
-    """Prompt steps keep the file's values and fp32 activations by default: no bf16 rows anywhere."""
+def test_prompt_steps_take_the_path_of_their_format(fast_runner):
+    """By default prompt steps of 4-bit codes (Q4_1) run the bf16 GEMM with bf16 activations between
+    the layers; 8-bit codes (Q8_0, int8) keep the file's values and fp32 activations on the kernel.
+    The engine setting puts every format on one path."""
     model = fast_runner().model
-    assert model.bf16_rows is None
-    assert not any("bf16" in line for line in model.describe())
+    if fast_runner.kind == "Q4_1":
+        assert model.bf16_rows == BLOCKED_DENSE_MIN_ROWS
+        assert any("bf16" in line for line in model.describe())
+    else:
+        assert model.bf16_rows is None
+        assert not any("bf16" in line for line in model.describe())
+    vnni = fast_runner(prompt_gemm="vnni").model
+    assert vnni.bf16_rows is None
+    assert not any("bf16" in line for line in vnni.describe())
 
 
 def test_large_steps_keep_activations_in_bf16_with_the_same_results(fast_runner):
     """From the linears' bf16-GEMM row count on, the fused ops pass bf16 activations straight to
     and from the GEMMs instead of converting them to float32 and back: the same numbers, up to the
-    order in which a norm adds its squares (prompt steps on the bf16 GEMM: not the default)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(quantized_linear, "PROMPT_GEMM", "bf16")
-        runner = fast_runner()
+    order in which a norm adds its squares (prompt steps on the bf16 GEMM, asked for: the default
+    only for 4-bit formats)."""
+    runner = fast_runner(prompt_gemm="bf16")
     model = runner.model
     assert model.bf16_rows == FusedDecodeStack.MAX_ROWS + 1
     prompt = ids(model.bf16_rows + 20, 8)

@@ -90,19 +90,21 @@ def test_bad_shapes_are_errors_not_wild_reads():
 
 def int8_activation_reference(x: torch.Tensor, qw: QuantizedWeight, terms: int = 1) -> torch.Tensor:
     """What the VNNI path computes: activations rounded to int8 per group of 32 (scale amax / 127),
-    with terms=2 the rounding residual rounded again with its own scale; integer dot products with
-    the codes, then the weight and activation scales, plus the min term over the same rounded
-    activations."""
+    with terms=2 the rounding residual rounded again on steps of 1/256 of the first scale (saturated
+    to int8); integer dot products with the codes, then the weight and activation scales, plus the
+    min term over the same rounded activations."""
     n, k = qw.shape
     rest = x.view(x.shape[0], k // 32, 32)
     codes = qw._codes_by_group().double()  # [N, G, 32] (int8 codes are signed)
     out = torch.zeros(x.shape[0], n, dtype=torch.float64)
     qsum = torch.zeros(x.shape[0], k // 32, dtype=torch.float64)
-    for _ in range(terms):
-        amax = rest.abs().amax(-1, keepdim=True)
-        inv = torch.where(amax > 0, 127 / amax, torch.zeros(()))
+    amax = rest.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros(()))
+    scale = amax / 127
+    for t in range(terms):
+        if t > 0:  # powers of two: exact, as in the kernel
+            inv, scale = inv * 256, scale / 256
         xq = torch.round(rest * inv).clamp(-128, 127)
-        scale = amax / 127
         dots = torch.einsum("mgj,ngj->mng", xq.double(), codes)
         out += (dots * qw.scales.double().unsqueeze(0) * scale.double().transpose(1, 2)).sum(-1)
         qsum += xq.sum(-1).double() * scale.squeeze(-1).double()

@@ -89,6 +89,20 @@ def test_quantization_needs_fast_precision():
         EngineConfig(quantization="fp8")
 
 
+def test_prompt_gemm_setting_is_checked_and_reaches_the_engine_args():
+    import argparse
+
+    from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+    with pytest.raises(InvalidRequest, match="prompt_gemm must be one of") as err:
+        EngineConfig(prompt_gemm="fp8")
+    assert err.value.param == "prompt_gemm"
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]))["prompt_gemm"] == "auto"
+    assert EngineConfig(**engine_kwargs(parser.parse_args(["--prompt-gemm", "bf16"]))).prompt_gemm == "bf16"
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 def test_k_quants_run_from_their_blocks_or_as_bf16_with_a_warning(tmp_path, kind, caplog):
     # 10 matrices: embed, lm_head and 4 a layer (q/k/v and gate/up fused). Never re-quantized: with a kernel for the type the file's blocks run as they are, near the

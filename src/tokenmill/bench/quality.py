@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tokenmill.bench.common import at_least
-from tokenmill.config import KV_CACHE_DTYPES, PRECISIONS, EngineConfig
+from tokenmill.config import KV_CACHE_DTYPES, PRECISIONS, PROMPT_GEMMS, EngineConfig
 
 # The issue's bounds: Q4_1 weights are the same numbers in both paths and only activation precision
 # differs, so the argmax should almost never move and perplexity should barely change.
@@ -243,6 +243,8 @@ def add_quality_parser(subparsers: Any) -> None:
                    help="windows decoded side by side in decode mode: the rows of each decode step")
     p.add_argument("--precision", choices=PRECISIONS, default="fast", help="the candidate; exact is the reference")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="the candidate's KV cache dtype")
+    p.add_argument("--prompt-gemm", choices=PROMPT_GEMMS, default="auto",
+                   help="the candidate's prompt GEMM for quantized weights (prefill windows run it)")
     p.add_argument("--reference-precision", choices=PRECISIONS, default="exact",
                    help="the reference (with its own auto KV dtype): fast with --kv-cache-dtype int8 measures int8 "
                         "K/V against bf16 K/V, everything else equal")
@@ -284,7 +286,8 @@ def cmd_quality(args: argparse.Namespace) -> int:
                         hybrid_kv_cache=False)
     # The same settings on both sides (`--precision exact`: a sanity check, KL 0) share one core.
     ref_config = replace(base, precision=args.reference_precision)
-    cand_config = replace(base, precision=args.precision, kv_cache_dtype=args.kv_cache_dtype)
+    cand_config = replace(base, precision=args.precision, kv_cache_dtype=args.kv_cache_dtype,
+                          prompt_gemm=args.prompt_gemm)
     ref_core = build_engine_core(ref_config)
     cores = {"reference": ref_core, "candidate": ref_core if cand_config == ref_config else build_engine_core(cand_config)}
     context = cores["reference"].max_model_len  # the model's own limit, if smaller than the window
@@ -314,8 +317,9 @@ def cmd_quality(args: argparse.Namespace) -> int:
 
 
 def _candidate(args: argparse.Namespace) -> str:
-    """The candidate's label: its precision, and its KV dtype when one was asked for."""
-    return args.precision if args.kv_cache_dtype == "auto" else f"{args.precision}+kv-{args.kv_cache_dtype}"
+    """The candidate's label: its precision, and its KV dtype and prompt GEMM when asked for."""
+    label = args.precision if args.kv_cache_dtype == "auto" else f"{args.precision}+kv-{args.kv_cache_dtype}"
+    return label if args.prompt_gemm == "auto" else f"{label}+prompt-{args.prompt_gemm}"
 
 
 def _print_reports(reports: dict[str, QualityReport], args: argparse.Namespace, text_tokens: int, text_path: str,

@@ -32,7 +32,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         torch.set_num_threads(config.threads)
         built = build_model(config.model, config.precision, config.quantization, config.bf16_min_rows,
                             config.max_model_len, config.num_pages, config.page_size, kv_cache_dtype=config.kv_cache_dtype,
-                            hybrid_kv=config.hybrid_kv_cache)
+                            hybrid_kv=config.hybrid_kv_cache, prompt_gemm=config.prompt_gemm)
         runner = built.runner
     # Converting a GGUF leaves each matrix's transient copies (gate/up stacked, re-blocked in chunks)
     # as freed heap that glibc keeps: ~530 MB on a 964 MB MoE file of 1,500 expert matrices

@@ -10,6 +10,7 @@ import os
 from tokenmill.config import (
     KV_CACHE_DTYPES,
     PRECISIONS,
+    PROMPT_GEMMS,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     EngineConfig,
@@ -41,6 +42,10 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
     g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=d.quantization,
                    help="fast only. auto: run the file's quantized weights as they are; none: dequantize "
                         "them; int8/int4: also quantize unquantized weights at load (e.g. safetensors)")
+    g.add_argument("--prompt-gemm", choices=list(PROMPT_GEMMS), default=d.prompt_gemm,
+                   help="fast only: how quantized weights run prompt steps. auto (default): Q4_1, Q4_K and "
+                        "IQ4 dequantized to bf16 for oneDNN, the others on the int8 kernel that keeps their values; "
+                        "vnni / bf16: one path for every format")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
@@ -82,7 +87,7 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("kv_cache_tokens", "kv_cache_dtype", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-            "precision", "quantization", "num_threads", "seed", "enable_prefix_caching",
+            "precision", "quantization", "prompt_gemm", "num_threads", "seed", "enable_prefix_caching",
             "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "scheduling_policy",
             "kv_cache_dir", "kv_cache_disk_bytes")
     kwargs = {k: getattr(args, k) for k in keys}

@@ -49,16 +49,17 @@ class BuiltModel:
 def build_model(
     path: str | None, precision: str, quantization: str, bf16_min_rows: int, max_model_len: int | None,
     num_pages: int, page_size: int, shard: ModelShard | None = None, kv_cache_dtype: str = "auto",
-    hybrid_kv: bool = True,
+    hybrid_kv: bool = True, prompt_gemm: str = "auto",
 ) -> BuiltModel:
     """Weights loaded, laid out for `precision` / `quantization`, and a runner with its KV tensors
     in `kv_cache_dtype`'s format (model/kv_cache_format.py). `hybrid_kv`: sliding-window layers get
-    KV groups of their own (kvcache/kv_groups.py); False keeps every layer's KV for the whole context."""
+    KV groups of their own (kvcache/kv_groups.py); False keeps every layer's KV for the whole context.
+    `prompt_gemm`: how quantized weights run prompt steps (EngineConfig.prompt_gemm)."""
     loaded = load_weights(path)
     source = loaded.source
     mc = loaded.config
     max_len = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    policy = LayerPolicy(precision, quantization, bf16_min_rows)
+    policy = LayerPolicy(precision, quantization, bf16_min_rows, prompt_gemm)
     weights, layer_config = loaded.weights, mc
     if shard is not None:
         weights, layer_config = shard.shard_weights(mc, weights), shard.shard_config(mc)

@@ -68,7 +68,8 @@ def build_rank0(config: EngineConfig) -> tuple[BuiltModel, TensorParallelRunner]
         group.broadcast_bytes(json.dumps(dataclasses.asdict(config)).encode())  # see rank_config
         built = build_model(config.model, config.precision, config.quantization, config.bf16_min_rows,
                             config.max_model_len, config.num_pages, config.page_size, TensorParallelShard(group),
-                            kv_cache_dtype=config.kv_cache_dtype, hybrid_kv=config.hybrid_kv_cache)
+                            kv_cache_dtype=config.kv_cache_dtype, hybrid_kv=config.hybrid_kv_cache,
+                            prompt_gemm=config.prompt_gemm)
     except BaseException:
         for proc in workers:
             proc.kill()

@@ -157,7 +157,8 @@ def build_draft_proposer(config: EngineConfig, target_vocab_size: int) -> DraftM
     # are torch.empty, so only pages ever written become resident.
     built = build_model(path, spec.draft_precision, spec.draft_quantization, config.bf16_min_rows,
                         config.max_model_len, config.num_pages, config.page_size,
-                        hybrid_kv=False)  # it runs its own page lists (one KV group)
+                        hybrid_kv=False,  # it runs its own page lists (one KV group)
+                        prompt_gemm=config.prompt_gemm)
     mc = built.config
     if mc.vocab_size != target_vocab_size:
         raise InvalidRequest(

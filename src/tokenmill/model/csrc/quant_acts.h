@@ -36,15 +36,34 @@ struct GroupOut {
   float* hqsum;
 };
 
+// The second term's step is 1/256 of the first's (a power of two: exact in fp32), not a scale of its
+// own: the residual of the first term is within half its step, so it rounds to [-128, 128] steps of
+// 1/256, and 128 saturates to 127 (an error of at most one fine step, 1/256 of the first term's,
+// where a scale of its own would leave half of ~1/254). In exchange the kernels merge a row's two
+// int32 sums as 256 D1 + D2 in integers and scale once (quant_vnni.h).
+constexpr float kFineSteps = 256.f;
+
+TV_TARGET TV_INLINE __m512i clamp_i8(__m512i q) {
+  return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-128)), _mm512_set1_epi32(127));
+}
+
 // One group (32 values in lo, hi) rounded to `terms` int8 terms: the reference for quantize4.
 TV_TARGET TV_INLINE void quantize1(__m512 lo, __m512 hi, int terms, const GroupOut& o) {
   float total_sum = 0.f, half_sum[2] = {0.f, 0.f};
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  float inv_s = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
   for (int t = 0; t < terms; ++t) {
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
-    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-    const float scale = amax / 127.f;
+    if (t > 0) {
+      inv_s *= kFineSteps;
+      scale /= kFineSteps;
+    }
+    const __m512 inv = _mm512_set1_ps(inv_s);
+    __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+    __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    if (t > 0) {
+      qlo = clamp_i8(qlo);
+      qhi = clamp_i8(qhi);
+    }
     const int32_t first = _mm512_reduce_add_epi32(qlo), second = _mm512_reduce_add_epi32(qhi);
     const int32_t total = first + second;
     o.dx[t] = scale;
@@ -100,19 +119,27 @@ TV_TARGET TV_INLINE void quantize4(const float* src, const GroupOut& o, int64_t 
   __m512 total_sum = _mm512_setzero_ps(), first_sum = _mm512_setzero_ps(), second_sum = _mm512_setzero_ps();
   alignas(64) float scales[Terms][16];
   alignas(64) int32_t firsts[Terms][16], totals[Terms][16];
+  __m512 m[4];
+  for (int i = 0; i < 4; ++i) m[i] = _mm512_max_ps(_mm512_abs_ps(lo[i]), _mm512_abs_ps(hi[i]));
+  const __m512 amax = max4(m);
+  const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+  __m512 inv = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.f), amax);
+  __m512 scale = _mm512_div_ps(amax, _mm512_set1_ps(127.f));
   for (int t = 0; t < Terms; ++t) {
-    __m512 m[4];
-    for (int i = 0; i < 4; ++i) m[i] = _mm512_max_ps(_mm512_abs_ps(lo[i]), _mm512_abs_ps(hi[i]));
-    const __m512 amax = max4(m);
-    const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
-    const __m512 inv = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.f), amax);
-    const __m512 scale = _mm512_div_ps(amax, _mm512_set1_ps(127.f));
+    if (t > 0) {  // the residual on steps of 1/256 of the first term's (quantize1)
+      inv = _mm512_mul_ps(inv, _mm512_set1_ps(kFineSteps));
+      scale = _mm512_div_ps(scale, _mm512_set1_ps(kFineSteps));
+    }
     __m512i qlo[4], qhi[4], s[4];
     __m512 inv_i[4] = {chunk<0>(inv), chunk<1>(inv), chunk<2>(inv), chunk<3>(inv)};
     __m512 sc_i[4] = {chunk<0>(scale), chunk<1>(scale), chunk<2>(scale), chunk<3>(scale)};
     for (int i = 0; i < 4; ++i) {
       qlo[i] = _mm512_cvtps_epi32(_mm512_mul_ps(lo[i], inv_i[i]));
       qhi[i] = _mm512_cvtps_epi32(_mm512_mul_ps(hi[i], inv_i[i]));
+      if (t > 0) {
+        qlo[i] = clamp_i8(qlo[i]);
+        qhi[i] = clamp_i8(qhi[i]);
+      }
       s[i] = _mm512_add_epi32(qlo[i], qhi[i]);
       int8_t* dst = o.xq + (i * stride * Terms + t) * kGroup;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo[i]));

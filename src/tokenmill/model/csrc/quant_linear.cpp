@@ -29,6 +29,8 @@
 
 #include <immintrin.h>
 
+#include "quant_bf16.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -297,13 +299,6 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& codes, const a
   return y;
 }
 
-TQ_AVX512 TQ_INLINE __m256i to_bf16(__m512 v) {  // round to nearest even (weights are finite)
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
 // Dequantize columns n0..n1 to fp32 or bf16 (round to nearest even), 32 values per group.
 template <int Bits, bool Bf16>
 TQ_AVX512 void dequantize_avx512(const Args& a, int64_t n0, int64_t n1, void* out) {
@@ -319,8 +314,8 @@ TQ_AVX512 void dequantize_avx512(const Args& a, int64_t n0, int64_t n1, void* ou
       const int64_t at = n * a.K + g * kGroup;
       if constexpr (Bf16) {
         uint16_t* o = static_cast<uint16_t*>(out) + at;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), to_bf16(wlo[0]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), to_bf16(whi[0]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), tm_bf16::to_bf16(wlo[0]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), tm_bf16::to_bf16(whi[0]));
       } else {
         float* o = static_cast<float*>(out) + at;
         _mm512_storeu_ps(o, wlo[0]);

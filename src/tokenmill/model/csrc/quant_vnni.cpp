@@ -1,5 +1,6 @@
 // The VNNI quantized-linear ops (the kernel: quant_vnni.h; the formats: quant_blocks.h).
 
+#include "quant_bf16.h"
 #include "quant_vnni.h"
 
 namespace {
@@ -53,13 +54,6 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
   return y;
 }
 
-TV_TARGET TV_INLINE __m256i to_bf16(__m512 v) {  // round to nearest even (weights are finite)
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
 // The fp32 values of one block and group: scale * (code - offset) + min, rounded once as gguf-py
 // rounds (scale * code is exact wherever there is a min, so the fused multiply-add is gguf's product
 // then sum). sink(j, part, v) takes quad j's columns 4 part .. 4 part + 3: lane 4 c + e of v is column
@@ -98,7 +92,7 @@ struct Bf16Sink {
   int64_t K;
   TV_TARGET TV_INLINE void operator()(int j, int part, __m512 v) const {
     alignas(32) uint64_t lanes[4];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), to_bf16(v));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), tm_bf16::to_bf16(v));
     for (int c = 0; c < 4; ++c) std::memcpy(o + (4 * part + c) * K + 4 * j, &lanes[c], 8);
   }
 };

@@ -18,11 +18,11 @@
 // loops below are written once, templated on the decoder.
 //
 // Activations are rounded to int8 per group of 32 (scale amax / 127, nearest even), as llama.cpp's
-// Q8 activations, and with `terms` = 2 the rounding residual is rounded to int8 again (its own scale,
-// ~1/254 of the first): x ~ d1 q1 + d2 q2, about 15 bits per activation for 8 more vpdpbusd per group
-// and row. One term measured KL(exact || fast) 0.0028 nats and top-1 agreement 97% on held-out text,
-// two terms are within rounding of fp32 activations (docs/benchmarks.md). The min term uses the rounded
-// activations' sums so that rounding errors cancel.
+// Q8 activations, and with `terms` = 2 the rounding residual is rounded to int8 again (on steps of
+// d2 = d1 / 256, so that the two sums merge in integers): x ~ d1 q1 + d2 q2, about 15 bits per
+// activation for 8 more vpdpbusd per group and row. One term measured KL(exact || fast) 0.0028 nats
+// and top-1 agreement 97% on held-out text, two terms are within rounding of fp32 activations
+// (docs/benchmarks.md). The min term uses the rounded activations' sums so that rounding errors cancel.
 // vpdpbusd multiplies unsigned by signed bytes: the codes are the unsigned side (int8 codes stored
 // + 128, so the dot product gains 128 * sum(x) per group, which the int32 sums start from:
 // no extra bytes per weight).
@@ -30,12 +30,13 @@
 // Where the time goes (Zen 4, 2 threads): from 2 rows on, the vpdpbusd. A zmm vpdpbusd and an fp32
 // multiply or FMA share the same two pipes (one zmm op a cycle between them), while integer adds,
 // logic and conversions go elsewhere. Per row, group and block the two terms are 16 vpdpbusd, and
-// the scaling is 3 more (d1 D1, + d2 D2, * scale) plus 1 for the min: ~1.25 cycles per vpdpbusd at
-// best, and a tile of 8 rows runs at ~1.3. So a tile keeps each (row, term) int32 sum in a register
-// for the whole group, scales once per group, and shares each block's unpacked codes across up to 8
-// rows. Tiles of 2 or 4 blocks (each activation broadcast feeding several vpdpbusd) were no faster
-// with the weights in cache and up to 1.5x slower streaming them from memory, as every step does
-// (SmolLM2-135M: 96 MB of weights, 32 MB of L3): one block at a time reads the codes front to back.
+// the scaling is 2 more (the merged sum times d2, * scale) plus 1 for the min: ~1.19 cycles per
+// vpdpbusd at best (1.25 with the terms scaled apart, when a tile of 8 rows measured ~1.3). So a
+// tile keeps each (row, term) int32 sum in a register for the whole group, scales once per group,
+// and shares each block's unpacked codes across up to 8 rows. Tiles of 2 or 4 blocks (each
+// activation broadcast feeding several vpdpbusd) were no faster with the weights in cache and up to
+// 1.5x slower streaming them from memory, as every step does (SmolLM2-135M: 96 MB of weights, 32 MB
+// of L3): one block at a time reads the codes front to back.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -85,6 +86,13 @@ TV_TARGET TV_INLINE void quad_pair(__m512i (&dot)[R][Terms], __m512i (&dot2)[R][
       if constexpr (TwoChains) dot2[r][t] = _mm512_dpbusd_epi32(dot2[r][t], hi, bcast4(xp + 16));
       else dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], hi, bcast4(xp + 16));
     }
+}
+
+// A row's int32 sums of its terms as one: D1, or 256 D1 + D2 in units of the second term's step.
+template <int Terms>
+TV_TARGET TV_INLINE __m512i merged(const __m512i (&d)[Terms]) {
+  if constexpr (Terms == 1) return d[0];
+  else return _mm512_add_epi32(_mm512_slli_epi32(d[0], 8), d[1]);
 }
 
 // R rows (m0..) x the 16 columns of block nb. Per group, each (row, term) sums its 8 vpdpbusd in an
@@ -140,20 +148,18 @@ TV_TARGET void tile(const Weights& w, const Acts& a, int64_t N, int64_t m0, int6
     D::scales(w, nb, g, sc);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
+      // The terms' sums merge in integers, 256 D1 + D2 (quant_acts.h: d2 = d1 / 256; |256 D1| < 2^28),
+      // and are scaled once by d2: (256 D1 + D2) * d2 * scale is a conversion, a multiply and a
+      // multiply-add a row, against two conversions and three for (d1 D1 + d2 D2) * scale.
+      const __m512 dxr = _mm512_set1_ps(dx[r * Terms + Terms - 1]);
       if constexpr (D::kSubs == 1) {
         if constexpr (kTwoChains)
           for (int t = 0; t < Terms; ++t) dot[r][t] = _mm512_add_epi32(dot[r][t], dot2[r][t]);
-        // (d1 D1 + d2 D2) * scale: 3 multiplies a row, against 4 for D1 * (scale d1) + D2 * (scale d2)
-        __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_set1_ps(dx[r * Terms]));
-        if constexpr (Terms == 2) s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), _mm512_set1_ps(dx[r * Terms + 1]), s);
+        const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(merged<Terms>(dot[r])), dxr);
         acc[r] = _mm512_fmadd_ps(s, sc[0], acc[r]);
       } else {
-        __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_set1_ps(dx[r * Terms]));
-        __m512 s2 = _mm512_mul_ps(_mm512_cvtepi32_ps(dot2[r][0]), _mm512_set1_ps(dx[r * Terms]));
-        if constexpr (Terms == 2) {
-          s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), _mm512_set1_ps(dx[r * Terms + 1]), s);
-          s2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2[r][1]), _mm512_set1_ps(dx[r * Terms + 1]), s2);
-        }
+        const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(merged<Terms>(dot[r])), dxr);
+        const __m512 s2 = _mm512_mul_ps(_mm512_cvtepi32_ps(merged<Terms>(dot2[r])), dxr);
         acc[r] = _mm512_fmadd_ps(s2, sc[1], _mm512_fmadd_ps(s, sc[0], acc[r]));
       }
     }

@@ -52,6 +52,9 @@ class LayerPolicy:
     precision: str = "exact"  # "exact" | "fast"
     quantization: str = "auto"  # one of model/quantization_modes.py's QUANTIZATIONS
     bf16_min_rows: int = 4
+    # How blocked GGUF weights run prompt steps: "auto" (per format), "vnni" or "bf16"
+    # (layers/quantized_linear.py `prompt_gemm_for`).
+    prompt_gemm: str = "auto"
     fallbacks: list[Fallback] = field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -137,10 +140,10 @@ def make_linear(parts: list[Weight], bias: torch.Tensor | None, policy: LayerPol
             # returns fp32 at every row count.
             return QuantizedLinear(prepared[0], bias, dense_min_rows=NEVER_DENSE)
         if len(prepared) == 1:
-            return QuantizedLinear(prepared[0], bias)
+            return QuantizedLinear(prepared[0], bias, prompt_gemm=policy.prompt_gemm)
         if all(isinstance(p, QuantizedWeight) for p in prepared):
             try:
-                return QuantizedLinear(QuantizedWeight.cat(prepared), bias)
+                return QuantizedLinear(QuantizedWeight.cat(prepared), bias, prompt_gemm=policy.prompt_gemm)
             except ValueError:  # parts of different formats (a GGUF mixing types): keep them apart
                 pass
     if any(isinstance(p, _PACKED) for p in prepared) or len({p.dtype for p in prepared}) > 1:
@@ -155,7 +158,7 @@ def make_linear(parts: list[Weight], bias: torch.Tensor | None, policy: LayerPol
 
 def _single(w: Weight, policy: LayerPolicy):
     if isinstance(w, _PACKED):
-        return QuantizedLinear(w, None)
+        return QuantizedLinear(w, None, prompt_gemm=policy.prompt_gemm)
     return DenseLinear(w, None, None if policy.precision == "exact" else policy.bf16_min_rows)
 
 

@@ -7,8 +7,9 @@ weights at ~20 GB/s for one row (3.2 ms a token). From BLOCKED_DENSE_MIN_ROWS ro
 the blocked weight is dequantized to a temporary bf16 matrix (10 ms for all 30 layers) for oneDNN's
 GEMM: 2048 rows 1.27 s vs 1.58 s. That speed costs precision: the weights, activations and outputs are
 rounded to bf16 there, and on the held-out text it is ~90% of the fast path's KL to exact (prompt
-steps on the two-term VNNI kernel: KL 10x lower for ~13% more CPU; top-1 agreement stays at its
-floor either way, docs/benchmarks.md "Where the fast path's disagreement comes from").
+steps on the two-term VNNI kernel: KL 10x lower for ~13% more CPU, docs/benchmarks.md "Where the
+fast path's disagreement comes from"), more for formats with more bits per code: so the choice is per
+format (`prompt_gemm_for`: Q4_1, Q4_K, IQ4 on bf16, the others on the kernel), or the engine's setting.
 Elsewhere the row-layout kernel (csrc/quant_linear.cpp) runs few rows, and many rows dequantize the weight to a temporary bf16 matrix for oneDNN's GEMM (paid
 once per call, amortised over the rows; the temporary is freed after the call).
 """
@@ -20,18 +21,18 @@ import torch.nn.functional as F
 
 from tokenmill.model.kernels import quant_kernel
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight, to_blocked
+from tokenmill.model.quant_formats import FORMATS
+from tokenmill.model.quantization_modes import PROMPT_GEMMS
 
 # Blocked (VNNI) weights: 2-term VNNI vs dequantize + bf16 GEMM, 30 layers, 2 threads: 128 rows 95 vs
 # 97 ms, 256 rows 194 vs 158 ms. Steps of fewer rows are decode steps (the fused decode step's limit).
 BLOCKED_DENSE_MIN_ROWS = 192
 # How blocked weights run steps of BLOCKED_DENSE_MIN_ROWS+ rows (prompts): "vnni", the two-term kernel
-# on the file's own values, or "bf16", dequantize + oneDNN's bf16 GEMM. "vnni" by default: on the
-# held-out text the bf16 GEMM's rounding (weights, activations, outputs to 8 significant bits) was
-# ~90% of the fast path's KL to exact and took Q5_K_M's prompt top-1 agreement to 98.8%; the kernel
-# costs ~13% more CPU on a 512-token prompt (docs/benchmarks.md, "Where the fast path's disagreement
-# comes from"). Read when a layer is built.
-PROMPT_GEMM = "vnni"
-PROMPT_GEMMS = ("vnni", "bf16")
+# on the file's own values, "bf16", dequantize + oneDNN's bf16 GEMM, or "auto", per format
+# (`prompt_gemm_for`). The engine setting `prompt_gemm` (EngineConfig, --prompt-gemm) picks one.
+# "auto": a GGUF type's own choice (quant_formats/registry.py `bf16_prompt`, measured per format);
+# weights quantized at load (int4 / int8) by bits per code, bf16 for at most this many.
+BF16_PROMPT_MAX_BITS = 4
 # Row-layout kernel only (no VNNI). Measured with SmolLM2-135M's shapes, all 30 layers streamed, 2 threads (docs/benchmarks.md): the
 # packed kernel wins clearly up to ~8 rows; from 16 rows dequantize + bf16 GEMM is as fast or faster.
 DENSE_MIN_ROWS = 12
@@ -39,14 +40,27 @@ DENSE_MIN_ROWS = 12
 NEVER_DENSE = 1 << 62
 
 
+def prompt_gemm_for(weight: QuantizedWeight | BlockedWeight, setting: str = "auto") -> str:
+    """How `weight`'s prompt steps run: `setting` itself, or for "auto" bf16 when every GGUF type the
+    weight holds allows it (registry `bf16_prompt`; "Q4_0+Q4_1" for a stacked one), or for weights
+    quantized at load when its codes have at most BF16_PROMPT_MAX_BITS bits, and the VNNI kernel
+    otherwise. Row-layout weights (no VNNI) always take the bf16 GEMM for many rows."""
+    if setting not in PROMPT_GEMMS:
+        raise ValueError(f"prompt_gemm must be one of {PROMPT_GEMMS}, got {setting!r}")
+    if setting != "auto":
+        return setting
+    kinds = weight.kind.split("+")
+    if all(k in FORMATS for k in kinds):
+        return "bf16" if all(FORMATS[k].bf16_prompt for k in kinds) else "vnni"
+    return "bf16" if weight.bits <= BF16_PROMPT_MAX_BITS else "vnni"
+
+
 class QuantizedLinear:
     def __init__(self, weight: QuantizedWeight | BlockedWeight, bias: torch.Tensor | None,
-                 dense_min_rows: int = DENSE_MIN_ROWS, prompt_gemm: str | None = None):
+                 dense_min_rows: int = DENSE_MIN_ROWS, prompt_gemm: str = "auto"):
         if isinstance(weight, QuantizedWeight) and weight.shape[0] % 16 == 0 and quant_kernel.vnni_available():
             weight = to_blocked(weight)
-        prompt_gemm = PROMPT_GEMM if prompt_gemm is None else prompt_gemm
-        if prompt_gemm not in PROMPT_GEMMS:
-            raise ValueError(f"prompt_gemm must be one of {PROMPT_GEMMS}, got {prompt_gemm!r}")
+        prompt_gemm = prompt_gemm_for(weight, prompt_gemm)
         self.weight = weight
         self.bias = bias
         self.dense_min_rows = dense_min_rows

@@ -22,6 +22,8 @@ class QuantFormat:
     block_bytes: int
     kernel: bool  # the C++ kernels read this type's blocks (or a lossless re-layout of them)
     fp16_offsets: tuple[int, ...] = ()  # byte offsets of the block's fp16 scales / mins
+    # Prompt steps may dequantize it to bf16 for oneDNN's GEMM ("auto", layers/quantized_linear.py)
+    bf16_prompt: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -51,9 +53,17 @@ _FP16_OFFSETS: dict[str, tuple[int, ...]] = {
     "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
 }
 UNQUANTIZED = frozenset({"F32", "F16", "BF16", "F64"})
+# Types whose prompt steps run dequantize + oneDNN's bf16 GEMM by default (~12% less CPU than the
+# two-term kernel). Rounding to bf16 moves a weight by ~2^(bits-9) of its format's step, small for
+# 4-bit codes, but the GEMM also rounds activations and outputs to bf16, and how often that flips a
+# near-tie depends on the file: measured on the held-out text (docs/benchmarks.md, "GGUF mixes:
+# per-format prompt path"), top-1 vs exact stayed >= 99% with the bundled Q4_1 (99.10%), IQ4_NL /
+# IQ4_XS (the IQ4_XS mix, 99.10%) and Q4_K (Q4_K_M's ffn_down, 99.33%), and fell to 98.77% with
+# Q3_K_M's Q4_0 + Q4_K layers. Everything else (Q4_0, Q2_K/Q3_K, 5-8-bit codes) stays on the kernel.
+_BF16_PROMPT = frozenset({"Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
 
 FORMATS: dict[str, QuantFormat] = {
-    t.name: QuantFormat(t.name, elems, size, t.name in _KERNEL, _FP16_OFFSETS.get(t.name, ()))
+    t.name: QuantFormat(t.name, elems, size, t.name in _KERNEL, _FP16_OFFSETS.get(t.name, ()), t.name in _BF16_PROMPT)
     for t, (elems, size) in GGML_QUANT_SIZES.items()
 }
 
