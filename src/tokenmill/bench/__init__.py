@@ -25,6 +25,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("disk_tier", "add_disk_tier_parser"),
     ("kv_memory", "add_kv_memory_parser"),
     ("make_moe", "add_make_moe_parser"),
+    ("moe_decode", "add_moe_decode_parser"),
     ("report", "add_report_parser"),
 )
 
