@@ -25,15 +25,16 @@ SIZES = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 256, "num_a
 CASES = {
     # 8 experts, top-2: a step of several tokens leaves some experts idle and gives others several rows
     "mixtral": ({"num_local_experts": 8}, {"w2": "Q6_K", "lm_head": "Q6_K", "": "Q4_K"}),
-    # without q/k/v biases, which the fused step does not take (Qwen1.5-MoE has them: op by op)
-    "qwen2_moe": ({"moe_intermediate_size": 128, "shared_expert_intermediate_size": 256, "num_experts": 8,
+    # without q/k/v biases, which the fused step does not take (Qwen1.5-MoE has them: op by op); experts
+    # 160 wide: the step's units of 128 expert columns end in a short one (csrc/decode_step_moe.h)
+    "qwen2_moe": ({"moe_intermediate_size": 160, "shared_expert_intermediate_size": 256, "num_experts": 8,
                    "qkv_bias": False},
                   {"shared_expert.": "Q8_0", "down_proj": "Q4_1", "": "Q4_0"}),
 }
 
 
-def runner_for(path, threads: int = 2) -> ModelRunner:
-    config = EngineConfig(model=str(path), precision="fast", num_threads=threads, kv_cache_tokens=512)
+def runner_for(path, threads: int = 2, kv_tokens: int = 512) -> ModelRunner:
+    config = EngineConfig(model=str(path), precision="fast", num_threads=threads, kv_cache_tokens=kv_tokens)
     runner = build_engine_core(config).runner
     return ModelRunner(runner.model, runner.num_pages, runner.page_size, torch.bfloat16, prefill_as_decode_rows=True)
 
@@ -77,6 +78,27 @@ def test_one_row_one_thread_and_many_rows(moe_gguf):
         model.fused_decode = False
         eager = runner.execute(chunks)
         torch.testing.assert_close(fused, eager, atol=2e-4 * eager.abs().max().item(), rtol=1e-4)
+
+
+def test_the_cut_between_threads_changes_no_bit(moe_gguf):
+    # The block cuts its work by thread count and step size: a small step is routed by every thread
+    # for itself and multiplies a_hidden's row directly; 40 rows (8 x 256 x 40 router MACs, past the
+    # private limit) split the router and gather each expert's rows. 1 and 2 threads give the same
+    # bits either way, and 40 rows agree with op by op.
+    prompts = [ids(5 + i % 7, 60 + i) for i in range(40)]
+    results = []
+    for threads in (1, 2):
+        runner = runner_for(moe_gguf, threads, kv_tokens=2048)
+        pages = prefill(runner, prompts)
+        one = [SeqChunk(ids(1, 90), len(prompts[0]), pages[0], sample=True)]
+        many = [SeqChunk(ids(1, 100 + i), len(p), pg, sample=True) for i, (p, pg) in enumerate(zip(prompts, pages))]
+        results.append([runner.execute(one), runner.execute(many)])
+        assert runner.model._decode_stack is not None
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    runner.model.fused_decode = False
+    eager = runner.execute(many)
+    torch.testing.assert_close(results[1][1], eager, atol=2e-4 * eager.abs().max().item(), rtol=1e-4)
 
 
 def test_experts_of_mixed_types_stay_op_by_op(tmp_path):

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.factory import build_engine_core
+from tokenmill.engine.memory_trim import malloc_trim
 from tokenmill.engine.request import RequestStatus
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.output_state import RequestOutputState
@@ -39,6 +40,10 @@ class InProcessLLM:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         self.engine: EngineCore = build_engine_core(self.config)
         self.tokenizer = Tokenizer.from_model_path(model or default_model_path())
+        # Building a GGUF's tokenizer through transformers leaves ~32 MB of freed heap that glibc keeps
+        # (the engine trimmed its own before): give it back (docs/benchmarks.md, "MoE batch-1 decode
+        # and memory").
+        malloc_trim()
         self._ids = itertools.count()
 
     # ---- public API ----------------------------------------------------------------------------

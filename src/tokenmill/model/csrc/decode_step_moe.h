@@ -13,14 +13,26 @@
 //   gate_up and down weights (quant_vnni.h), SiLU(gate) * up between (fused_ops.h);
 // - each token's weighted expert outputs added in ascending expert order (moe.py's order), then the
 //   shared expert (Qwen2-MoE) times sigmoid(x . gate).
-// Work is split as the step splits a linear: every active expert's column blocks form one list, cut
-// evenly between the threads, so k experts of one token keep every thread busy.
+//
+// How the work is cut, and why (batch-1 decode is the case that matters; docs/benchmarks.md, "MoE
+// batch-1 decode and memory"): a phase boundary costs a barrier, and a thread that waits past
+// GOMP_SPINCOUNT sleeps and is woken late, so the block has as few phases as its data flow allows:
+// - routing: a small router (T x E x hidden MACs) is computed by every thread for itself, no barrier;
+//   a large one is split between the threads, then planned by one;
+// - phase 1, per unit of 128 expert columns (4 activation groups): the unit's gate and up blocks,
+//   SiLU(gate) * up and the rounding of those 128 activations, all in the thread that owns the unit;
+//   units of every active expert (and the shared one) form one list cut evenly between the threads;
+// - phase 2, per block of 16 output columns: every active expert's down blocks there, then the
+//   tokens' weighted sums of exactly those columns, so no barrier separates down from the sum.
+// At T = 1 the rows an expert multiplies are the step's own rounded row (a_hidden); with more rows
+// each expert's rows are gathered from a_hidden's records (the same numbers: rounding is per row).
 //
 // Needs quant_vnni.h and fused_ops.h included first (decode_step.cpp does).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace tm_moe {
@@ -40,35 +52,72 @@ struct Block {
   int64_t shared_ff = 0;
 };
 
-// Per-step scratch, sized for T rows of the largest block (filled in by `plan` in one thread).
-struct Scratch {
+// Activation groups of 32 per phase-1 unit: 4, the span quantize4 rounds at once, so a unit's
+// activations are rounded by the same calls as a whole row's (quant_acts.h `quantize_rows`).
+constexpr int64_t kUnitGroups = 4;
+constexpr int64_t kUnitCols = kUnitGroups * tm_vnni::kGroup;
+// Routers up to this many multiply-adds a step are computed by every thread (no barrier): Mixtral's
+// shape at T = 1 is 32 x 1024, ~1 us; Qwen3-30B's 128 x 2048 is split.
+constexpr int64_t kPrivateRouterMACs = int64_t{1} << 16;
+
+// A step's routing: which rows go to which expert, with what weight.
+struct Route {
   std::vector<float> logits, weights;  // [T, E]; each assignment's routing weight, in grouped order
   std::vector<int64_t> token, start;   // grouped assignment -> token; expert -> first grouped row (E + 1)
   std::vector<int64_t> slot;           // token * k + j -> grouped row of its j-th expert, ascending ids
-  std::vector<float> f;                // gathered rows, activations, outputs (see `Buffers`)
-  int64_t T = 0, R = 0;
+  std::vector<int64_t> ids, order, js, next;  // plan's temporaries, kept between layers
+  std::vector<float> w, p;
+
+  void resize(int64_t T, int64_t E, int64_t k) {
+    logits.resize(T * E);
+    weights.resize(T * k);
+    token.resize(T * k);
+    start.resize(E + 1);
+    slot.resize(T * k);
+    ids.resize(T * k);
+    w.resize(T * k);
+    order.resize(E);
+    p.resize(E);
+    next.resize(E);
+    js.resize(k);
+  }
 };
+
+// Per-step scratch, sized for T rows of the largest block by `reserve` (shared by the threads).
+struct Scratch {
+  Route route;           // the shared route of a split router
+  std::vector<float> f;  // gathered rows, activations, outputs (see `ffn`)
+  int64_t T = 0, E = 0, k = 0, max_ff = 0;
+};
+
+// A thread's own buffers: a private route, one unit's gate | up outputs and activations.
+struct Local {
+  Route route;
+  std::vector<float> unit;
+};
+
+inline Local& local() {
+  static thread_local Local l;
+  return l;
+}
 
 inline int64_t buffer_floats(const Block& b, int64_t T, int64_t hidden, int64_t terms) {
   const int64_t R = T * b.k, sf = b.shared_ff;
-  int64_t n = R * hidden + R * 2 * b.ff + R * b.ff + R * hidden;  // rows, gate_up, act, down
-  n += tm_vnni::acts_floats(R, hidden, terms) + tm_vnni::acts_floats(R, b.ff, terms);
-  if (b.has_shared) n += T * 2 * sf + T * sf + T * hidden + tm_vnni::acts_floats(T, sf, terms);
+  int64_t n = R * hidden + tm_vnni::acts_floats(R, hidden, terms);  // down outputs, gathered rows
+  n += tm_vnni::acts_floats(R, b.ff, terms);                         // rounded activations
+  if (b.has_shared) n += T * hidden + tm_vnni::acts_floats(T, sf, terms);
   return n + 64;
 }
 
 inline void reserve(Scratch& s, const std::vector<Block>& blocks, int64_t T, int64_t hidden, int64_t terms) {
-  int64_t floats = 0, E = 0, k = 0;
+  int64_t floats = 0;
   for (const Block& b : blocks) {
     floats = std::max(floats, buffer_floats(b, T, hidden, terms));
-    E = std::max(E, b.E);
-    k = std::max(k, b.k);
+    s.E = std::max(s.E, b.E);
+    s.k = std::max(s.k, b.k);
+    s.max_ff = std::max({s.max_ff, b.ff, b.shared_ff});
   }
-  s.logits.resize(T * E);
-  s.weights.resize(T * k);
-  s.token.resize(T * k);
-  s.start.resize(E + 1);
-  s.slot.resize(T * k);
+  s.route.resize(T, s.E, s.k);
   s.f.resize(floats);
   s.T = T;
 }
@@ -80,12 +129,12 @@ inline void share_of(int64_t n, int tid, int nt, int64_t& begin, int64_t& end) {
 }
 
 // Softmax, top-k, renormalisation and the grouping by expert, for all T rows (one thread).
-inline void plan(const Block& b, Scratch& s) {
-  const int64_t T = s.T, E = b.E, k = b.k;
-  std::vector<int64_t> ids(static_cast<size_t>(T * k));
-  std::vector<float> w(static_cast<size_t>(T * k));
-  std::vector<int64_t> order(static_cast<size_t>(E));
-  std::vector<float> p(static_cast<size_t>(E));
+inline void plan(const Block& b, int64_t T, Route& s) {
+  const int64_t E = b.E, k = b.k;
+  int64_t* ids = s.ids.data();
+  float* w = s.w.data();
+  int64_t* order = s.order.data();
+  float* p = s.p.data();
   std::fill(s.start.begin(), s.start.begin() + E + 1, 0);
   for (int64_t t = 0; t < T; ++t) {
     const float* l = s.logits.data() + t * E;
@@ -94,7 +143,7 @@ inline void plan(const Block& b, Scratch& s) {
     for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(l[e] - top));
     for (int64_t e = 0; e < E; ++e) p[e] /= sum;
     for (int64_t e = 0; e < E; ++e) order[e] = e;
-    std::partial_sort(order.begin(), order.begin() + k, order.begin() + E,
+    std::partial_sort(order, order + k, order + E,
                       [&](int64_t a, int64_t c) { return p[a] > p[c] || (p[a] == p[c] && a < c); });
     float chosen = 0.0f;
     for (int64_t j = 0; j < k; ++j) chosen += p[order[j]];
@@ -105,53 +154,20 @@ inline void plan(const Block& b, Scratch& s) {
     }
   }
   for (int64_t e = 0; e < E; ++e) s.start[e + 1] += s.start[e];
-  std::vector<int64_t> next(s.start.begin(), s.start.begin() + E);
+  std::copy(s.start.begin(), s.start.begin() + E, s.next.begin());
   // Grouped rows in token order within each expert (moe.py's stable sort); a token's own slots are
   // then listed by ascending expert id, the order its outputs are added in.
-  std::vector<int64_t> js(static_cast<size_t>(k));
+  int64_t* js = s.js.data();
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t* mine = ids.data() + t * k;
+    const int64_t* mine = ids + t * k;
     for (int64_t j = 0; j < k; ++j) js[j] = j;
-    std::sort(js.begin(), js.end(), [&](int64_t a, int64_t c) { return mine[a] < mine[c]; });
+    std::sort(js, js + k, [&](int64_t a, int64_t c) { return mine[a] < mine[c]; });
     for (int64_t n = 0; n < k; ++n) {
-      const int64_t j = js[n], e = mine[j], row = next[e]++;
+      const int64_t j = js[n], e = mine[j], row = s.next[e]++;
       s.token[row] = t;
       s.weights[row] = w[t * k + j];
       s.slot[t * k + n] = row;
     }
-  }
-  s.R = T * k;
-}
-
-// The column blocks of every active expert's `which` weight (0 gate_up, 1 down; `cols` wide) and of
-// the shared expert's (`shared_cols` wide), as one list cut evenly between the threads. Routed rows
-// come from `routed` (grouped order, y row stride `cols`), the shared expert's from `shared` (all T).
-template <int Terms>
-inline void expert_share(const Block& b, const Scratch& s, int which, const tm_vnni::Acts& routed,
-                         const tm_vnni::Acts& shared, int64_t cols, int64_t shared_cols, float* y_routed,
-                         float* y_shared, int tid, int nt) {
-  const int64_t per_expert = cols / tm_vnni::kCols;
-  const int64_t per_shared = b.has_shared ? shared_cols / tm_vnni::kCols : 0;
-  int64_t total = per_shared;
-  for (int64_t e = 0; e < b.E; ++e)
-    if (s.start[e + 1] > s.start[e]) total += per_expert;
-  int64_t u0, u1;
-  share_of(total, tid, nt, u0, u1);
-  int64_t base = 0;
-  for (int64_t e = 0; e < b.E && base < u1; ++e) {
-    const int64_t r0 = s.start[e], r1 = s.start[e + 1];
-    if (r0 == r1) continue;
-    const int64_t lo = std::max(u0, base), hi = std::min(u1, base + per_expert);
-    if (lo < hi) {
-      const tm_vnni::Weights& w = which == 0 ? b.experts[e].gate_up : b.experts[e].down;
-      tm_vnni::blocks<Terms>(w, routed, r0, r1, cols, lo - base, hi - base, y_routed);
-    }
-    base += per_expert;
-  }
-  const int64_t lo = std::max(u0, base), hi = std::min(u1, base + per_shared);
-  if (lo < hi) {
-    const tm_vnni::Weights& w = which == 0 ? b.shared.gate_up : b.shared.down;
-    tm_vnni::blocks<Terms>(w, shared, 0, s.T, shared_cols, lo - base, hi - base, y_shared);
   }
 }
 
@@ -166,63 +182,164 @@ TV_TARGET inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// The weight's column blocks from `nb` on, as a weight of its own (the kernels index blocks from 0).
+inline tm_vnni::Weights from_block(const tm_vnni::Weights& w, int64_t nb) {
+  tm_vnni::Weights v = w;
+  const bool super = tm_vnni::fmt_super(w.fmt);
+  const int64_t scale_rows = super ? w.G / tm_vnni::kSuper : w.G;  // scale records per block
+  v.codes += nb * w.G * w.bits * 64;
+  v.scales += nb * scale_rows * tm_vnni::kCols;
+  if (w.mins != nullptr) v.mins += nb * scale_rows * tm_vnni::kCols;
+  if (super) v.subs += nb * scale_rows * tm_vnni::fmt_subs(w.fmt) * tm_vnni::kCols;
+  return v;
+}
+
+// Rows m0.. of rounded activations, as activations whose row 0 is m0 (the layout is group-major:
+// the row stride inside a group stays M).
+template <int Terms>
+inline tm_vnni::Acts rows_from(const tm_vnni::Acts& a, int64_t m0) {
+  return tm_vnni::Acts{a.xq + m0 * Terms * tm_vnni::kGroup, a.dx + m0 * Terms, a.qsum + m0, a.nsum128 + m0 * Terms,
+                       a.hsum + m0 * Terms * 2, a.hqsum + m0 * 2, a.M};
+}
+
+// Groups [g0, g1) of row m of a G-group row rounded into a (x: the row's values from group g0), by
+// the calls quantize_rows makes for them when g0 is a multiple of 4.
+template <int Terms>
+TV_TARGET inline void quantize_span(const float* x, int64_t G, int64_t g0, int64_t g1, int64_t m,
+                                    const tm_vnni::Acts& a) {
+  using tm_vnni::kGroup;
+  const int64_t M = a.M;
+  for (int64_t g = g0; g < g1;) {
+    const int64_t at = g * M + m;
+    const tm_vnni::GroupOut o{a.xq + at * Terms * kGroup, a.dx + at * Terms, a.qsum + at, a.nsum128 + at * Terms,
+                              a.hsum + at * Terms * 2, a.hqsum + at * 2};
+    const float* src = x + (g - g0) * kGroup;
+    if (g + 4 <= G) {
+      tm_vnni::quantize4<Terms>(src, o, M);
+      g += 4;
+    } else {
+      tm_vnni::quantize1(_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16), Terms, o);
+      g += 1;
+    }
+  }
+}
+
+// Row records of `src` (T rows) copied to rows r0..r1 of `dst` (R rows): row r is token[r]'s.
+template <int Terms>
+inline void gather_rows(const tm_vnni::Acts& src, const int64_t* token, int64_t G, int64_t r0, int64_t r1,
+                        const tm_vnni::Acts& dst) {
+  const int64_t T = src.M, R = dst.M;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = g * T + token[r], o = g * R + r;
+      std::memcpy(dst.xq + o * Terms * tm_vnni::kGroup, src.xq + i * Terms * tm_vnni::kGroup, Terms * tm_vnni::kGroup);
+      std::memcpy(dst.dx + o * Terms, src.dx + i * Terms, Terms * sizeof(float));
+      dst.qsum[o] = src.qsum[i];
+      std::memcpy(dst.nsum128 + o * Terms, src.nsum128 + i * Terms, Terms * sizeof(int32_t));
+      std::memcpy(dst.hsum + o * Terms * 2, src.hsum + i * Terms * 2, Terms * 2 * sizeof(int32_t));
+      std::memcpy(dst.hqsum + o * 2, src.hqsum + i * 2, 2 * sizeof(float));
+    }
+  }
+}
+
+// Unit u (columns 128 u ..) of one expert's n rows (`a`, from row 0): gate and up blocks, SiLU(gate)
+// * up, rounded into rows row0.. of `mid` (K = ff). `buf` holds n x (2 x 128 + 128) floats.
+template <int Terms>
+inline void gate_up_unit(const Expert& x, int64_t ff, const tm_vnni::Acts& a, int64_t n, int64_t u, int64_t row0,
+                         const tm_vnni::Acts& mid, float* buf) {
+  const int64_t c0 = u * kUnitCols, width = std::min(ff, c0 + kUnitCols) - c0, nb = width / tm_vnni::kCols;
+  float* gu = buf;                 // [n, 2 width]: gate | up, the layout silu_mul_rows takes
+  float* act = buf + n * 2 * width;  // [n, width]
+  tm_vnni::blocks<Terms>(from_block(x.gate_up, c0 / tm_vnni::kCols), a, 0, n, 2 * width, 0, nb, gu);
+  tm_vnni::blocks<Terms>(from_block(x.gate_up, (ff + c0) / tm_vnni::kCols), a, 0, n, 2 * width, 0, nb, gu + width);
+  tm_fused::silu_mul_rows_avx512(gu, width, act, 0, n);
+  const int64_t G = ff / tm_vnni::kGroup, g0 = c0 / tm_vnni::kGroup, g1 = g0 + width / tm_vnni::kGroup;
+  for (int64_t r = 0; r < n; ++r) quantize_span<Terms>(act + r * width, G, g0, g1, row0 + r, mid);
+}
+
 // The block's output for the T rows of h (normed, fp32 [T, hidden]; a_hidden its rounded rows) into
-// delta [T, hidden]. Called by every thread of the team; separates its phases by barriers itself.
+// delta [T, hidden]. Called by every thread of the team; separates its phases by barriers itself
+// and leaves delta's columns to the threads that wrote them (the caller's barrier follows).
 template <int Terms>
 inline void ffn(const Block& b, Scratch& s, const float* h, const tm_vnni::Acts& a_hidden, int64_t hidden,
                 float* delta, int tid, int nt) {
   const int64_t T = s.T, E = b.E, R = T * b.k, ff = b.ff, sf = b.shared_ff;
-  // Router logits: (token, expert) pairs split between threads.
-  int64_t p0, p1;
-  share_of(T * E, tid, nt, p0, p1);
-  for (int64_t i = p0; i < p1; ++i) s.logits[i] = dot(h + (i / E) * hidden, b.router + (i % E) * hidden, hidden);
+  Local& mine = local();
+  const bool private_route = T * E * hidden <= kPrivateRouterMACs;
+  Route& route = private_route ? mine.route : s.route;
+  if (private_route) {
+    route.resize(T, s.E, s.k);
+    for (int64_t i = 0; i < T * E; ++i) route.logits[i] = dot(h + (i / E) * hidden, b.router + (i % E) * hidden, hidden);
+    plan(b, T, route);
+  } else {
+    int64_t p0, p1;
+    share_of(T * E, tid, nt, p0, p1);
+    for (int64_t i = p0; i < p1; ++i) route.logits[i] = dot(h + (i / E) * hidden, b.router + (i % E) * hidden, hidden);
 #pragma omp barrier
 #pragma omp single
-  plan(b, s);
-  // (implicit barrier of `single`)
-  float* rows = s.f.data();
-  float* gu = rows + R * hidden;
-  float* act = gu + R * 2 * ff;
-  float* down = act + R * ff;
-  float* acts_base = down + R * hidden;
-  const tm_vnni::Acts a_rows = tm_vnni::make_acts(acts_base, R, hidden, Terms);
-  float* acts_mid_base = acts_base + tm_vnni::acts_floats(R, hidden, Terms);
-  const tm_vnni::Acts a_mid = tm_vnni::make_acts(acts_mid_base, R, ff, Terms);
-  float* s_gu = acts_mid_base + tm_vnni::acts_floats(R, ff, Terms);
-  float* s_act = s_gu + T * 2 * sf;
-  float* s_down = s_act + T * sf;
-  float* s_acts_base = s_down + T * hidden;
-  const tm_vnni::Acts a_shared_mid = tm_vnni::make_acts(s_acts_base, T, b.has_shared ? sf : tm_vnni::kGroup, Terms);
-  int64_t r0, r1, t0, t1;
-  share_of(R, tid, nt, r0, r1);
-  share_of(T, tid, nt, t0, t1);
-  for (int64_t r = r0; r < r1; ++r) std::copy(h + s.token[r] * hidden, h + (s.token[r] + 1) * hidden, rows + r * hidden);
-  tm_vnni::quantize_rows<Terms>(rows, hidden, r0, r1, a_rows);
-#pragma omp barrier
-  expert_share<Terms>(b, s, 0, a_rows, a_hidden, 2 * ff, 2 * sf, gu, s_gu, tid, nt);
-#pragma omp barrier
-  tm_fused::silu_mul_rows_avx512(gu, ff, act, r0, r1);
-  tm_vnni::quantize_rows<Terms>(act, ff, r0, r1, a_mid);
-  if (b.has_shared) {
-    tm_fused::silu_mul_rows_avx512(s_gu, sf, s_act, t0, t1);
-    tm_vnni::quantize_rows<Terms>(s_act, sf, t0, t1, a_shared_mid);
+    plan(b, T, route);
+    // (implicit barrier of `single`)
   }
+  float* down = s.f.data();  // [R, hidden]
+  float* rows_base = down + R * hidden;
+  const tm_vnni::Acts a_rows = tm_vnni::make_acts(rows_base, R, hidden, Terms);
+  float* mid_base = rows_base + tm_vnni::acts_floats(R, hidden, Terms);
+  const tm_vnni::Acts a_mid = tm_vnni::make_acts(mid_base, R, ff, Terms);
+  float* s_down = mid_base + tm_vnni::acts_floats(R, ff, Terms);  // [T, hidden]
+  const tm_vnni::Acts a_shared_mid = b.has_shared ? tm_vnni::make_acts(s_down + T * hidden, T, sf, Terms) : a_mid;
+  // At T = 1 every expert's one row is a_hidden's row; else each expert's rows are gathered.
+  const bool direct = T == 1;
+  if (!direct) {
+    int64_t r0, r1;
+    share_of(R, tid, nt, r0, r1);
+    gather_rows<Terms>(a_hidden, route.token.data(), hidden / tm_vnni::kGroup, r0, r1, a_rows);
 #pragma omp barrier
-  expert_share<Terms>(b, s, 1, a_mid, a_shared_mid, hidden, hidden, down, s_down, tid, nt);
+  }
+  // Phase 1: units of every active expert, then of the shared expert, cut evenly.
+  const int64_t units = (ff + kUnitCols - 1) / kUnitCols;
+  const int64_t shared_units = b.has_shared ? (sf + kUnitCols - 1) / kUnitCols : 0;
+  int64_t active = 0;
+  for (int64_t e = 0; e < E; ++e) active += route.start[e + 1] > route.start[e];
+  int64_t u0, u1;
+  share_of(active * units + shared_units, tid, nt, u0, u1);
+  mine.unit.resize(static_cast<size_t>(std::max<int64_t>(1, T) * 3 * kUnitCols));
+  int64_t base = 0;
+  for (int64_t e = 0; e < E && base < u1; ++e) {
+    const int64_t r0 = route.start[e], r1 = route.start[e + 1];
+    if (r0 == r1) continue;
+    const tm_vnni::Acts a = direct ? a_hidden : rows_from<Terms>(a_rows, r0);
+    for (int64_t u = std::max(u0, base); u < std::min(u1, base + units); ++u)
+      gate_up_unit<Terms>(b.experts[e], ff, a, r1 - r0, u - base, r0, a_mid, mine.unit.data());
+    base += units;
+  }
+  for (int64_t u = std::max(u0, base); u < std::min(u1, base + shared_units); ++u)
+    gate_up_unit<Terms>(b.shared, sf, a_hidden, T, u - base, 0, a_shared_mid, mine.unit.data());
 #pragma omp barrier
-  for (int64_t t = t0; t < t1; ++t) {
+  // Phase 2: this thread's column blocks of every expert's down, then of the tokens' sums.
+  int64_t b0, b1;
+  share_of(hidden / tm_vnni::kCols, tid, nt, b0, b1);
+  if (b0 == b1) return;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = route.start[e], r1 = route.start[e + 1];
+    if (r0 < r1)
+      tm_vnni::blocks<Terms>(b.experts[e].down, rows_from<Terms>(a_mid, r0), 0, r1 - r0, hidden, b0, b1,
+                             down + r0 * hidden);
+  }
+  if (b.has_shared) tm_vnni::blocks<Terms>(b.shared.down, a_shared_mid, 0, T, hidden, b0, b1, s_down);
+  const int64_t c0 = b0 * tm_vnni::kCols, c1 = b1 * tm_vnni::kCols;
+  for (int64_t t = 0; t < T; ++t) {
     float* out = delta + t * hidden;
-    std::fill(out, out + hidden, 0.0f);
+    std::fill(out + c0, out + c1, 0.0f);
     for (int64_t n = 0; n < b.k; ++n) {
-      const int64_t row = s.slot[t * b.k + n];
-      const float w = s.weights[row];
+      const int64_t row = route.slot[t * b.k + n];
+      const float w = route.weights[row];
       const float* y = down + row * hidden;
-      for (int64_t i = 0; i < hidden; ++i) out[i] += y[i] * w;
+      for (int64_t i = c0; i < c1; ++i) out[i] += y[i] * w;
     }
     if (b.has_shared) {
       const float g = 1.0f / (1.0f + std::exp(-dot(h + t * hidden, b.shared_gate, hidden)));
       const float* y = s_down + t * hidden;
-      for (int64_t i = 0; i < hidden; ++i) out[i] += g * y[i];
+      for (int64_t i = c0; i < c1; ++i) out[i] += g * y[i];
     }
   }
 }
