@@ -209,6 +209,9 @@ RUN_CASES = [
     ([(0, 9), (47, 6), (5, 0)], 2, 4, 128, 16),  # head_dim 128, group 4, a run from an empty cache
     ([(30, 5), (30, 5)], 1, 6, 64, 4),  # two sequences of the same length: two runs, group 6
     ([(300, 8), (2, 3)], 2, 2, 128, 32),
+    # Gemma 3's head_dim 256, one KV head: a 64-row prompt (runs of 16, balanced over threads), a draft
+    # run, a lone row
+    ([(0, 64), (90, 5), (7, 0)], 1, 4, 256, 16),
 ]
 
 

@@ -100,7 +100,7 @@ RUN_CASES = [
     # runs (start, n), kv_heads, group, head_dim, page_size, window
     ([(450, 9)], 3, 3, 64, 16, 40),  # a run whose rows' windows start on different positions
     ([(15, 3), (40, 0), (31, 9), (100, 5)], 2, 2, 64, 8, 20),  # windows across page boundaries
-    ([(300, 16), (20, 4)], 1, 4, 256, 16, 24),  # gemma 3's shape (no run path for 256: row by row)
+    ([(300, 16), (20, 4)], 1, 4, 256, 16, 24),  # gemma 3's shape: head_dim 256, one KV head
     ([(60, 8)], 2, 4, 128, 16, 4),  # a window shorter than the run: rows see disjoint positions
     ([(200, 16)], 2, 3, 64, 16, 512),  # a window longer than the context: all of it
     ([(450, 9)], 1, 3, 64, 16, 200),  # one item's pages split in parts between threads

@@ -104,3 +104,20 @@ def test_one_block_table_per_layer(fast_runner, monkeypatch):
     monkeypatch.setattr(fused_decode_gemma, "layer_tables", lambda m, n: per_layer(m, n, poison_at=last_page))
     with pytest.raises(RuntimeError, match="outside the pool"):
         runner.execute(chunks)
+
+
+def test_long_prompts_run_in_the_stack(fast_runner):
+    """Fast mode sends whole prompts as decode rows; past MAX_ROWS too they are one fused step (the
+    linears run the VNNI kernel at any row count), runs of 16 rows with windows starting at different
+    positions; every position's logits agree with the layers op by op."""
+    runner = fast_runner
+    model = runner.model
+    assert model.prompts_in_stack
+    n = fused_decode_gemma.GemmaFusedDecodeStack.MAX_ROWS + 40
+    chunk = [SeqChunk(ids(n, 10), 0, list(range(16, 16 + -(-n // runner.page_size))), sample=True, all_logits=True)]
+    model._decode_stack = None
+    fused, _, eager = run_both(runner, chunk)
+    assert model._decode_stack is not None  # the prompt went through the C++ stack
+    assert fused.shape == (n, model.config.vocab_size)
+    torch.testing.assert_close(fused, eager, atol=2e-3 * eager.abs().max().item(), rtol=1e-3)
+    assert (fused.argmax(-1) == eager.argmax(-1)).float().mean() > 0.9

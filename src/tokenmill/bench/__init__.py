@@ -24,6 +24,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("model_switch", "add_model_switch_parser"),
     ("disk_tier", "add_disk_tier_parser"),
     ("kv_memory", "add_kv_memory_parser"),
+    ("load_memory", "add_load_memory_parser"),
     ("make_moe", "add_make_moe_parser"),
     ("decode_step", "add_decode_step_parser"),
     ("moe_decode", "add_moe_decode_parser"),

@@ -40,9 +40,9 @@ class InProcessLLM:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         self.engine: EngineCore = build_engine_core(self.config)
         self.tokenizer = Tokenizer.from_model_path(model or default_model_path())
-        # Building a GGUF's tokenizer through transformers leaves ~32 MB of freed heap that glibc keeps
-        # (the engine trimmed its own before): give it back (docs/benchmarks.md, "MoE batch-1 decode
-        # and memory").
+        # Building the tokenizer leaves its Python garbage as free but resident heap (a GGUF BPE through
+        # transformers ~32 MB; Gemma 3's 262k tokens and 515k merges ~80 MB): give it back, as the
+        # server's processes do after their load (docs/benchmarks.md, the MoE and Gemma memory sections).
         malloc_trim()
         self._ids = itertools.count()
 

@@ -13,7 +13,7 @@ RoPE this module reuses):
 Norm weights are held as the multiplier they act as: Hugging Face files store w for x * (1 + w)
 and the loader adds the 1 (model/gemma_files.py); llama.cpp's converter already stored 1 + w.
 
-Fast mode runs steps of decode rows (and short prompts sent as decode rows) as one C++ call over the
+Fast mode runs steps of decode rows (and whole prompts, sent as decode rows) as one C++ call over the
 layer stack (model/fused_decode_gemma.py) where the weights run the VNNI kernel; other steps run op
 by op (quantized linears, bf16 KV, the C++ paged-attention kernel, which takes the window and the
 soft-cap, for decode rows).
@@ -80,6 +80,15 @@ class GemmaDecoderLayer:
                 self.pre_mlp_norm, self.post_mlp_norm, self.q_norm, self.k_norm)
 
 
+def _vnni_at_any_rows(linear) -> bool:
+    """Whether `linear` (or every part of a concatenated one) runs the VNNI kernel at any row count,
+    rather than a bf16 GEMM from some count on (the engine setting prompt_gemm, per format under "auto")."""
+    parts = getattr(linear, "parts", None)
+    if parts is not None:
+        return all(_vnni_at_any_rows(p) for p in parts)
+    return isinstance(linear, QuantizedLinear) and linear.bf16_from_rows is None
+
+
 def _attention_for(config: ModelConfig, window: int | None) -> TorchPagedAttention:
     c = config
     scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
@@ -118,6 +127,9 @@ class GemmaForCausalLM:
         # The runner attends whole prompts as decode rows only through the C++ kernel (fast mode).
         self.prompts_as_decode_rows = self.attention.kernel and self.sliding_attention.kernel
         self.fused_decode = policy.precision == "fast" and GemmaFusedDecodeStack.supports(self)
+        # Prompts too where every linear runs many rows on the VNNI kernel (not the bf16 GEMM).
+        self.prompts_in_stack = self.fused_decode and all(
+            _vnni_at_any_rows(part) for layer in self.layers for part in layer.parts()[:4])
         self._decode_stack: GemmaFusedDecodeStack | None = None
 
     def forward(
@@ -132,13 +144,23 @@ class GemmaForCausalLM:
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = self.rope.lookup(positions)
         local = self.local_rope.lookup(positions) if self.local_rope is not self.rope else rope
-        if self.fused_decode and GemmaFusedDecodeStack.handles(x.shape[0], meta):
+        if self.fused_decode and self._fused_step(x.shape[0], meta):
             return self._stack_for(kv_caches).run(x, rope, local, meta)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             cos, sin = local if layer.sliding else rope
             attention = self.sliding_attention if layer.sliding else self.attention
             x = layer.forward(x, cos, sin, attention, k_cache, v_cache, meta.for_layer(i))
         return self.layers[0].norm(x, self.norm, self.config.rms_norm_eps)
+
+    def _fused_step(self, rows: int, meta: AttentionMetadata) -> bool:
+        """Whether the fused stack computes this step: decode rows, and in fast mode whole prompts,
+        which the runner sends as decode rows. The stack's linears are the VNNI kernel the op-by-op
+        path runs at every row count too (prompt_gemm "vnni", or "auto" where every format says so); it fuses the rest of each layer
+        (norms, RoPE, cache writes, GeGLU; float rounding apart, the same arithmetic) into one
+        parallel region instead of ~25 PyTorch ops a layer."""
+        if self.prompts_in_stack:
+            return meta.num_decode == rows and rows > 0 and meta.decode_seq_lens is not None
+        return GemmaFusedDecodeStack.handles(rows, meta)
 
     def _stack_for(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> GemmaFusedDecodeStack:
         if self._decode_stack is None or self._decode_stack.kv_caches is not kv_caches:
@@ -167,6 +189,6 @@ class GemmaForCausalLM:
             lines.append(f"{sliding} of {len(self.layers)} layers attend a sliding window of "
                          f"{self.config.sliding_window} tokens")
         if self.fused_decode:
-            lines.append(f"steps of all decode rows (up to {GemmaFusedDecodeStack.MAX_ROWS}): one fused C++ call "
-                         "over the layer stack")
+            rows = "any number, prompts too" if self.prompts_in_stack else f"up to {GemmaFusedDecodeStack.MAX_ROWS}"
+            lines.append(f"steps of all decode rows ({rows}): one fused C++ call over the layer stack")
         return lines

@@ -40,18 +40,56 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables for every position up to the context length, looked up per token."""
+    """cos/sin tables for every position up to the context length, filled as positions are looked up.
+
+    The tables are allocated for the whole context (torch.empty: address space, not resident
+    memory) and filled on demand, 4,096 positions at a time: Gemma 3 270M's two RoPEs (sliding and
+    global layers) over its 32,768 positions x head_dim 256 in fp32 were 128 MiB resident from the
+    load (512 MiB for 131k-context files), and their cos/sin ~2 s of CPU, for positions few requests
+    reach. Filling never copies what is there, so each position is computed once.
+    """
+
+    FILL_POSITIONS = 4096  # positions filled at a time
+    # Positions per cos/sin call while filling: 64 x head_dim <= 16,384 floats stays under ATen's
+    # grain size (32,768), so each call runs on one thread over whole SIMD vectors. A split across
+    # threads can leave a chunk's tail to the scalar libm cos, which may round differently from the
+    # vectorised one transformers' own (small, per-forward) calls use.
+    _BLOCK = 64
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        inv_freq = inverse_frequencies(config)
-        positions = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]
+        self.inv_freq = inverse_frequencies(config)
+        self.max_positions = max_positions
+        dim = 2 * self.inv_freq.shape[0]
+        self.cos = torch.empty(max_positions, dim)
+        self.sin = torch.empty(max_positions, dim)
+        self.filled = 0  # positions 0 .. filled - 1 hold their values
+        self.ensure(1)
+
+    def ensure(self, num_positions: int) -> None:
+        """Positions 0 .. num_positions - 1 filled (a clear error past the context length)."""
+        if num_positions <= self.filled:
+            return
+        if num_positions > self.max_positions:
+            raise ValueError(f"position {num_positions - 1} is past the context length of {self.max_positions} "
+                             "tokens the model was built for")
+        step = self.FILL_POSITIONS
+        end = min(-(-num_positions // step) * step, self.max_positions)
+        # int64 arange then float, times inv_freq, as transformers does: each product is one exact
+        # rounding, the same whichever positions are computed together.
+        positions = torch.arange(self.filled, end, dtype=torch.int64).float()
+        freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        for start in range(0, end - self.filled, self._BLOCK):
+            rows = slice(self.filled + start, min(self.filled + start + self._BLOCK, end))
+            block = emb[start : start + self._BLOCK]
+            torch.cos(block, out=self.cos[rows])
+            torch.sin(block, out=self.sin[rows])
+        self.filled = end
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each token, shaped [T, 1, head_dim]: looked up once per forward, not per layer."""
+        if positions.numel():
+            self.ensure(int(positions.max()) + 1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod

@@ -1,7 +1,7 @@
 #pragma once
 // Paged decode attention for a run of consecutive rows of one sequence (speculative decoding's
 // draft tokens, and fast mode's prompt chunks) as one work item per KV head, over a cache reader
-// (kv_cache_rows.h).
+// (kv_cache_rows.h), for head_dim 64, 128 and 256.
 
 #include "kv_cache_rows.h"
 
@@ -29,6 +29,9 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   using V = Vec<W>;
   constexpr int NC = HD / W;
   constexpr int JB = 4;  // query vectors per pass of the weighted V sum
+  // Vectors of head_dim per pass of that sum: all of them up to head_dim 128; head_dim 256 (Gemma)
+  // in two halves, so the accumulators take the registers they take at 128 instead of spilling.
+  constexpr int CB = HD > 128 ? 128 / W : NC;
   const int64_t G = a.group;
   const int64_t J = R * G;
   const int64_t JV = (J + W - 1) / W;  // vectors of query lanes
@@ -163,20 +166,22 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     const int64_t t0 = std::max<int64_t>(0, start - base - first);
     widen(vbase + pages[p] * page_elems, t0, n);
     for (int64_t j0 = 0; j0 < J; j0 += JB) {
-      V acc[JB][NC];
-      for (int jj = 0; jj < JB; ++jj)
-        for (int c = 0; c < NC; ++c) acc[jj][c] = loadv<W>(accb + (j0 + jj) * HD + W * c);
-      for (int64_t t = t0; t < n; ++t) {
-        const float* __restrict s = st + (first + t) * JP + j0;
-        V v[NC];
-        for (int c = 0; c < NC; ++c) v[c] = loadv<W>(kbuf + t * HD + W * c);
-        for (int jj = 0; jj < JB; ++jj) {
-          const float w = s[jj];
-          for (int c = 0; c < NC; ++c) acc[jj][c] += w * v[c];
+      for (int c0 = 0; c0 < NC; c0 += CB) {
+        V acc[JB][CB];
+        for (int jj = 0; jj < JB; ++jj)
+          for (int c = 0; c < CB; ++c) acc[jj][c] = loadv<W>(accb + (j0 + jj) * HD + W * (c0 + c));
+        for (int64_t t = t0; t < n; ++t) {
+          const float* __restrict s = st + (first + t) * JP + j0;
+          V v[CB];
+          for (int c = 0; c < CB; ++c) v[c] = loadv<W>(kbuf + t * HD + W * (c0 + c));
+          for (int jj = 0; jj < JB; ++jj) {
+            const float w = s[jj];
+            for (int c = 0; c < CB; ++c) acc[jj][c] += w * v[c];
+          }
         }
+        for (int jj = 0; jj < JB; ++jj)
+          for (int c = 0; c < CB; ++c) storev<W>(accb + (j0 + jj) * HD + W * (c0 + c), acc[jj][c]);
       }
-      for (int jj = 0; jj < JB; ++jj)
-        for (int c = 0; c < NC; ++c) storev<W>(accb + (j0 + jj) * HD + W * c, acc[jj][c]);
     }
   }
   if (partial != nullptr) {  // [J][HD + 2]: the unnormalised sum, the max, the sum of weights
