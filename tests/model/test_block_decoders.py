@@ -111,7 +111,7 @@ def test_prompt_rows_can_run_bf16_gemm_on_the_file_values(kind):
 # What "auto" runs a prompt step of each format on: the 4-bit formats whose mixes kept 99% top-1 on
 # the bf16 GEMM (quant_formats/registry.py), every other one on the kernel.
 AUTO_PROMPT_GEMM = {
-    "Q2_K": "vnni", "Q3_K": "vnni", "Q4_0": "vnni", "Q4_1": "bf16", "Q4_K": "bf16", "IQ4_NL": "bf16",
+    "Q2_K": "vnni", "Q3_K": "vnni", "Q4_0": "vnni", "Q4_1": "bf16", "Q4_K": "vnni", "IQ4_NL": "bf16",
     "IQ4_XS": "bf16", "Q5_0": "vnni", "Q5_1": "vnni", "Q5_K": "vnni", "Q6_K": "vnni", "Q8_0": "vnni",
 }
 
