@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from tokenmill.engine.memory_trim import malloc_trim
 from tokenmill.errors import InvalidRequest
+from tokenmill.frontend.health_probe import wait_for_text
 from tokenmill.frontend.live_bound import check_live
 from tokenmill.frontend.live_latency import LiveLatency
 from tokenmill.frontend.output_merge import merge_pending
@@ -328,10 +329,7 @@ class TokenizerManager:
                 if error is not None:
                     raise error
         finally:
-            for rid in rids:
-                state = self._states.pop(rid, None)
-                if state is not None and not state.finished:
-                    self._to_scheduler.send(AbortRequest(rid))
+            self._release(rids)
 
     async def embed(self, request_id: str, prompts: Sequence[list[int]], pooling: PoolingParams,
                     prompt_param: str = "input") -> list[bytes]:
@@ -359,10 +357,7 @@ class TokenizerManager:
                     vectors[item[0]] = item[1].embedding
                     left -= 1
         finally:
-            for rid in rids:
-                state = self._states.pop(rid, None)
-                if state is not None and not state.finished:
-                    self._to_scheduler.send(AbortRequest(rid))
+            self._release(rids)
         return vectors
 
     # ---- health ------------------------------------------------------------------------------
@@ -374,26 +369,13 @@ class TokenizerManager:
         return await asyncio.shield(self._health)
 
     async def _probe(self, timeout: float | None) -> bool:
-        """True once text comes back from the detokenizer after a real one-token request was sent
-        (any request's text proves the whole loop turns, so a busy server answers at once)."""
+        """A real one-token request; True once text comes back (health_probe.py)."""
         tic = time.monotonic()
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=OutputKind.DELTA)
         token = self.tokenizer.bos_token_id if self.tokenizer and self.tokenizer.bos_token_id is not None else 0
         stream = self.generate(f"health-{time.monotonic_ns()}", [Seq([token], params)], arrival=tic, internal=True)
-        probe = asyncio.ensure_future(anext(stream))
-        try:
-            while True:
-                done, _ = await asyncio.wait({probe}, timeout=0.05)
-                if done:
-                    return probe.exception() is None
-                if self.last_text_time > tic:
-                    return True
-                if self.status is ServerStatus.UNHEALTHY or (timeout is not None and time.monotonic() - tic > timeout):
-                    return False
-        finally:
-            probe.cancel()
-            await asyncio.gather(probe, return_exceptions=True)
-            await stream.aclose()
+        return await wait_for_text(stream, tic, timeout, lambda sent: self.last_text_time > sent,
+                                   lambda: self.status is ServerStatus.UNHEALTHY)
 
     # ---- receiving ---------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -459,6 +441,13 @@ class TokenizerManager:
                 view = frontend_view(state.arrival, state.sent, state.first_time, now, state.stages)
                 self.timelines.finished(view, out, state.stages)
         state.queue.put_nowait((state.index, out))
+
+    def _release(self, rids: Sequence[str]) -> None:
+        """Forget the seqs of a request that is over for its caller; abort those still running."""
+        for rid in rids:
+            state = self._states.pop(rid, None)
+            if state is not None and not state.finished:
+                self._to_scheduler.send(AbortRequest(rid))
 
     def _fail(self, rid: str, error: RequestError) -> None:
         state = self._states.get(rid)
