@@ -108,8 +108,8 @@ def test_only_the_newest_entries_stay(tmp_path, monkeypatch):
         model = tmp_path / f"m{i}.gguf"
         model.write_bytes(bytes(i + 1))
         models.append(str(model))
-        tokenizer_cache.store(str(model), FORMAT, str(exported))
+        tokenizer_cache.store(tokenizer_cache.key(str(model), FORMAT), str(exported))
         os.utime(tokenizer_cache.cache_dir() / f"{tokenizer_cache.key(str(model), FORMAT)}.json", (i, i))
     assert len(entries()) == 2
-    assert tokenizer_cache.lookup(models[0], FORMAT) is None  # the oldest went
-    assert tokenizer_cache.lookup(models[2], FORMAT) is not None
+    assert tokenizer_cache.lookup(tokenizer_cache.key(models[0], FORMAT)) is None  # the oldest went
+    assert tokenizer_cache.lookup(tokenizer_cache.key(models[2], FORMAT)) is not None

@@ -56,9 +56,10 @@ def _source_files(model: str) -> list[str]:
 
 
 def key(model: str, format_version: int) -> str | None:
-    """The entry's name for `model` (an absolute path), or None where it has no files to key on."""
+    """The entry's name for `model` (an absolute path); None where it has no files to key on, or the
+    cache is off: then nothing is looked up or kept."""
     files = _source_files(model)
-    if not files:
+    if not files or not enabled():
         return None
     h = hashlib.sha256(f"format {format_version}\n".encode())
     for package in ("transformers", "tokenizers"):
@@ -72,11 +73,8 @@ def key(model: str, format_version: int) -> str | None:
     return h.hexdigest()[:32]
 
 
-def lookup(model: str, format_version: int) -> Path | None:
-    """The kept export of `model`'s tokenizer, if there is one (its use time is refreshed)."""
-    if not enabled():
-        return None
-    name = key(model, format_version)
+def lookup(name: str | None) -> Path | None:
+    """The kept export named `name` (key()), if there is one; its use time is refreshed."""
     entry = None if name is None else cache_dir() / f"{name}.json"
     if entry is None or not entry.is_file():
         return None
@@ -85,9 +83,9 @@ def lookup(model: str, format_version: int) -> Path | None:
     return entry
 
 
-def store(model: str, format_version: int, exported: str) -> None:
-    """Keep the successful export at `exported`; a cache that cannot be written is only a slower start."""
-    name = key(model, format_version) if enabled() else None
+def store(name: str | None, exported: str) -> None:
+    """Keep the successful export at `exported` as `name`; a cache that cannot be written is only a
+    slower start."""
     if name is None:
         return
     folder = cache_dir()
@@ -103,8 +101,7 @@ def store(model: str, format_version: int, exported: str) -> None:
         logger.warning("could not keep the tokenizer in %s: %s", folder, exc)
 
 
-def drop(model: str, format_version: int) -> None:
-    """Forget `model`'s entry (it could not be read)."""
-    name = key(model, format_version)
+def drop(name: str | None) -> None:
+    """Forget the entry `name` (it could not be read)."""
     if name is not None:
         (cache_dir() / f"{name}.json").unlink(missing_ok=True)

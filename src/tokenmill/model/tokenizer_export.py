@@ -85,7 +85,8 @@ def export(model: str, path: str, niceness: int = 0) -> TokenizerFiles:
     back. Blocks for the child's seconds (transformers' import and the build): call it off the loop.
     niceness > 0: the child runs under `nice -n` (a model loading while others serve). A build kept
     from an earlier run on the same files (tokenizer_cache.py) is handed over instead."""
-    kept = tokenizer_cache.lookup(model, FORMAT)
+    name = tokenizer_cache.key(model, FORMAT)
+    kept = tokenizer_cache.lookup(name)
     if kept is not None:
         try:
             files = read(str(kept), model)
@@ -95,7 +96,7 @@ def export(model: str, path: str, niceness: int = 0) -> TokenizerFiles:
             return files
         except Exception as exc:  # truncated, not JSON, not a tokenizer: build it again
             logger.warning("the kept tokenizer %s cannot be read (%s); building it again", kept, exc)
-            tokenizer_cache.drop(model, FORMAT)
+            tokenizer_cache.drop(name)
     cmd = [sys.executable, "-m", __name__, model, path]
     nice = shutil.which("nice") if niceness else None
     # stderr is inherited: the build's own warnings belong in the server's log.
@@ -103,7 +104,7 @@ def export(model: str, path: str, niceness: int = 0) -> TokenizerFiles:
     if not os.path.exists(path):  # the child died before it could write even its error
         write(path, None, f"the tokenizer export process exited with {proc.returncode}")
     files = read(path, model)  # raises the build's error: nothing is kept
-    tokenizer_cache.store(model, FORMAT, path)
+    tokenizer_cache.store(name, path)
     return files
 
 
