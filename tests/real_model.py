@@ -36,10 +36,13 @@ def make_llm(**engine_args) -> LLM:
 def hf_model():
     from transformers import AutoModelForCausalLM
 
+    from tests.transformers_gguf import shared_gguf_parsing
+
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+    with shared_gguf_parsing():
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        )
     # ignore_eos means "do not stop at EOS", not "never sample EOS" (vLLM's meaning): with no EOS id
     # set, generate() neither stops nor masks it, whereas min_new_tokens would mask it.
     model.generation_config.eos_token_id = None

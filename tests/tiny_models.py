@@ -122,8 +122,11 @@ def bundled_gguf() -> tuple[str, str]:
 def bundled_tokenizer() -> Any:
     global _tokenizer
     if _tokenizer is None:
+        from tests.transformers_gguf import shared_gguf_parsing
+
         directory, name = bundled_gguf()
-        _tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        with shared_gguf_parsing():
+            _tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     return _tokenizer
 
 
