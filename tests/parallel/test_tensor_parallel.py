@@ -1,6 +1,7 @@
 """Tensor parallelism end to end, ranks as local processes over loopback with one thread each:
-greedy output in exact mode equals one rank's (tiny random models at TP=2, the bundled model at TP=3
-against transformers), and no rank outlives the engine that started it."""
+greedy output in exact mode equals one rank's (tiny random models at TP=2), the bundled model's fast
+mode at TP=3 keeps one rank's predictions, and no rank outlives the engine that started it. (The
+bundled model at TP=3 in exact mode against transformers: tests/server/test_tensor_parallel_server.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 import tokenmill
 from tests.real_model import make_llm
-from tests.test_fidelity import assert_all_match, cases
+from tests.test_fidelity import prompt_ids
 from tests.tiny_models import make_tiny_model
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.sample.sampling_params import SamplingParams
@@ -57,43 +58,38 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, arch):
 
 # How the engine's script ends: normally without shutdown() (the ranks are stopped at exit, so no rank
 # warns), or abruptly (os._exit: as if the engine process died; its ranks warn, and never outlive it).
-@pytest.mark.parametrize("ending", ["", "os._exit(0)\n"], ids=["normal", "died"])
-def test_ranks_end_with_the_process_that_started_them(tmp_path, ending):
+# The two scripts run side by side: each is mostly Python imports, which do not compete much.
+def test_ranks_end_with_the_process_that_started_them(tmp_path):
     folder = str(make_tiny_model(tmp_path, "llama"))
-    script = (
-        "import os, sys\n"
-        "from tokenmill.entrypoints.llm import LLM\n"
-        "from tokenmill.sample.sampling_params import SamplingParams\n"
-        f"llm = LLM({folder!r}, num_threads=2, tensor_parallel_size=2, kv_cache_tokens=1024)\n"
-        "llm.generate(['hello'], SamplingParams(max_tokens=2))\n"
-        "print(llm.engine.runner.workers[0].pid, flush=True)\n"
-        f"{ending}"
-    )
-    # The rank inherits stderr: its log lines are in out.stderr (run() waits until it closes too).
-    # The same tokenmill as this process imports (a checkout's src/ may come before an installed copy).
+    # The rank inherits stderr: its log lines are in the script's stderr (communicate() waits until it
+    # closes too). The same tokenmill as this process imports (a checkout's src/ may come before an
+    # installed copy).
     path = os.pathsep.join([os.path.dirname(os.path.dirname(tokenmill.__file__)), os.getcwd()])
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": path})
-    assert out.returncode == 0, out.stderr
-    assert _gone(int(out.stdout.split()[-1]), 10), "a rank outlived its engine process"
-    warnings = [line for line in out.stderr.splitlines() if "WARNING" in line]
-    if ending:
-        assert warnings and all("rank 1:" in line for line in warnings), out.stderr
-    else:
-        assert warnings == [], out.stderr
-
-
-@pytest.mark.slow
-def test_three_ranks_on_the_bundled_model_match_transformers():
-    # SmolLM2-135M: 9 query / 3 KV heads, so TP=3 (TP=2 is refused: tests/parallel/test_sharding.py).
-    # Exact mode: the all-reduce sums partial products in another order, yet every token agrees.
-    # The long prompt is prefilled in three chunks beside the others' decode rows; 8 new tokens each:
-    # three ranks on two cores make each step cost ~0.4 s, and the first tokens of the long prompt
-    # are where chunked prefill over the group would show. (Whole 24-token runs: tests/test_fidelity.py
-    # on one rank; the TP server module compares 12 tokens of a short prompt with one rank's.)
-    short, long_ = cases()[0], max(cases(), key=lambda c: len(c[0]))
-    with LLM(precision="exact", num_threads=3, tensor_parallel_size=3, max_num_batched_tokens=256) as llm:
-        assert_all_match(llm, [short, long_, cases()[-1]], new_tokens=8)
+    scripts = {}
+    for name, ending in (("normal", ""), ("died", "os._exit(0)\n")):
+        script = (
+            "import os, sys\n"
+            "from tokenmill.entrypoints.llm import LLM\n"
+            "from tokenmill.sample.sampling_params import SamplingParams\n"
+            f"llm = LLM({folder!r}, num_threads=2, tensor_parallel_size=2, kv_cache_tokens=1024)\n"
+            "llm.generate(['hello'], SamplingParams(max_tokens=2))\n"
+            "print(llm.engine.runner.workers[0].pid, flush=True)\n"
+            f"{ending}"
+        )
+        scripts[name] = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path})
+    for name, proc in scripts.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, (name, stderr)
+        assert _gone(int(stdout.split()[-1]), 10), f"a rank outlived its engine process ({name})"
+        warnings = [line for line in stderr.splitlines() if "WARNING" in line]
+        if name == "died":
+            assert warnings and all("rank 1:" in line for line in warnings), stderr
+        else:
+            assert warnings == [], stderr
 
 
 def test_a_second_node_lends_its_rank_from_the_command_line(tmp_path):
@@ -154,7 +150,7 @@ def test_three_ranks_in_fast_mode_keep_the_quantized_models_predictions():
     # rank; only the order of the final sums differs.
     from tokenmill.model.runner import SeqChunk
 
-    ids = cases()[0][0] + cases()[-1][0]
+    ids = prompt_ids()[0] + prompt_ids()[-1]
     chunk = SeqChunk(ids, 0, list(range(-(-len(ids) // 16))), sample=False, all_logits=True)
     one = make_llm(num_threads=1, precision="fast").engine.runner.execute([chunk])  # the session's weights
     with LLM(num_threads=3, tensor_parallel_size=3) as llm:

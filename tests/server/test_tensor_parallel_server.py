@@ -1,18 +1,21 @@
 """The whole server with tensor parallelism (TP=3 on the bundled model, one thread a rank): greedy
-output equal to the offline single-rank engine's, streaming, abort mid-stream, the prefix cache and
-structured output; and no rank outlives the server."""
+output equal to transformers' and to the offline single-rank engine's, under chunked prefill beside
+decode rows; streaming, abort mid-stream, the prefix cache and structured output; and no rank outlives
+the server."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from tests.frontend.conftest import bundled_gguf_path
 from tests.server.server_process import ServerProcess, alive
+from tests.test_fidelity import cases
 from tokenmill.sample.sampling_params import SamplingParams
 
 pytestmark = [
@@ -37,7 +40,8 @@ def tp_workers() -> list[int]:
 @pytest.fixture(scope="module")
 def server():
     before = set(tp_workers())
-    srv = ServerProcess("--tensor-parallel-size", "3")
+    # A 256-token budget: the long fidelity prompt is prefilled in three chunks.
+    srv = ServerProcess("--tensor-parallel-size", "3", "--max-num-batched-tokens", "256")
     try:
         srv.wait_ready()
         srv.tp_workers = [p for p in tp_workers() if p not in before]
@@ -61,6 +65,20 @@ def test_greedy_text_equals_one_ranks(server, reference_llm):
     # 12 tokens: an exact-mode step of three ranks on two cores costs ~0.4 s
     expected = reference_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))[0]
     assert complete(server, max_tokens=12)["choices"][0]["text"] == expected.outputs[0].text
+
+
+def test_three_ranks_match_transformers_with_a_long_prompt_in_chunks(server, reference_llm):
+    # SmolLM2-135M: 9 query / 3 KV heads, so TP=3 (TP=2 is refused: tests/parallel/test_sharding.py).
+    # Exact mode: the all-reduce sums partial products in another order, yet every token agrees.
+    # Sent together, the long prompt's chunks share steps with the others' decode rows; 8 new tokens:
+    # the first tokens of the long prompt are where chunked prefill over the group would show.
+    # (Whole 24-token runs: tests/test_fidelity.py on one rank.)
+    short, long_, chat = cases()[0], max(cases(), key=lambda c: len(c[0])), cases()[-1]
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda c: complete(server, prompt=c[0], max_tokens=8, ignore_eos=True),
+                             [short, long_, chat]))
+    for out, (_, reference) in zip(outs, [short, long_, chat]):
+        assert out["choices"][0]["text"] == reference_llm.tokenizer.decode(reference[:8])
 
 
 def test_streaming_abort_and_the_prefix_cache(server):
