@@ -132,9 +132,11 @@ def test_reference_mode_measures_the_batch_shape_floor(tmp_path, capsys):
 # ---- the bounds, on the bundled model ----------------------------------------------------------
 # Eight windows of 128 (1,024 of the text's ~3,650 tokens, 504 scored positions per mode), decoded
 # 8 rows per step: the small-row path generation runs on. Windows of 128 rather than the CLI's 512
-# cut the decode steps to a quarter; the whole run takes ~15 s at 2 threads on a quiet machine (the
-# full-text figures are `tokenmill bench quality`'s, in docs/benchmarks.md). The CLI runs it, so its
-# wiring is covered too.
+# cut the decode steps to a quarter, and the exact reference runs each window as one prompt in both
+# modes (`--reference-mode prefill`: its fp32 decode steps of 8 rows were half the run's time, for
+# logits equal to the prefill's within fp32 rounding). The whole run takes ~10 s at 2 threads on a
+# quiet machine (the full-text figures are `tokenmill bench quality`'s, in docs/benchmarks.md). The
+# CLI runs it, so its wiring is covered too.
 WINDOW, WINDOWS = 128, 8
 
 
@@ -149,7 +151,8 @@ def fast_vs_exact(tmp_path_factory) -> dict:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(builder, "load_weights", _cached_load)
         rc = main(["bench", "quality", "--precision", "fast", "--num-threads", "2", "--window", str(WINDOW),
-                   "--chunks", str(WINDOWS), "--decode-batch", str(WINDOWS), "--json", str(path)])
+                   "--chunks", str(WINDOWS), "--decode-batch", str(WINDOWS), "--reference-mode", "prefill",
+                   "--json", str(path)])
     report = json.loads(path.read_text())
     assert rc == (0 if report["passed"] else 1)
     for mode, r in report["results"].items():

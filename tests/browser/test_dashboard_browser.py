@@ -95,10 +95,10 @@ def read_events(server: ServerProcess, seconds: float) -> list[dict]:
 def test_the_stream_follows_the_load(server):
     assert httpx.get(f"{server.url}/v1/dashboard/snapshot", timeout=30).status_code == 401
     with Load(server) as load:
-        events = read_events(server, 8.0)
+        events = read_events(server, 5.0)
     assert not load.failures and load.done >= 4
     engines = [e["engine"] for e in events if e["engine"] is not None]
-    assert len(events) >= 20  # four a second, whatever the engine is doing
+    assert len(events) >= 12  # four a second, whatever the engine is doing
     assert engines[-1]["generation_tokens_total"] > engines[0]["generation_tokens_total"]
     assert max(e["running"] for e in engines) >= 2
     assert max(e["step"]["decode_rows"] for e in engines) >= 2
