@@ -107,7 +107,7 @@ def test_structured_output_unchanged(pair):
     json.loads(b[0].outputs[0].text)
     assert on.stats()["spec_decode_num_draft_tokens_total"] > drafted
     assert_idle(on)
-    assert not on.engine._matchers
+    assert not on.engine.grammars.active()
 
 
 def test_ngram_each_prompt_alone():

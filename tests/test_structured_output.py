@@ -67,7 +67,7 @@ def assert_idle(llm) -> None:
     stats = llm.stats()
     assert stats["kv_pages_in_use"] == 0 and stats["num_requests_running"] == 0
     llm.check_integrity()
-    assert not llm.engine._matchers and not llm.engine._grammar_pending
+    assert not llm.engine.grammars.active()
 
 
 def test_json_schemas_validate(llm):
@@ -171,7 +171,7 @@ def test_ignore_eos_still_ends_when_the_grammar_does(llm):
 
 
 def test_matcher_rollback(llm):
-    manager = llm.engine.grammar_manager()
+    manager = llm.engine.grammars.manager()
     spec = so(json_schema=SCHEMAS["bounds"])
     matcher = manager.matcher(manager.submit(spec))
     ids = llm.tokenizer.encode('{"age":42,"score":0.5}', add_special_tokens=False)
@@ -218,7 +218,7 @@ def test_bad_specs_raise_before_queueing(llm, spec, fragment):
         llm.engine.add_request("bad", [1, 2, 3], SamplingParams(structured_output=spec))
     assert err.value.param == fragment and fragment in err.value.message
     assert "bad" not in llm.engine.requests and not llm.engine.has_unfinished()
-    assert not llm.engine._grammar_pending
+    assert not llm.engine.grammars.pending
 
 
 @pytest.mark.parametrize(
@@ -232,7 +232,7 @@ def test_structured_output_params_validation(kwargs):
 
 
 def test_compile_failure_aborts_only_that_request(llm, monkeypatch):
-    manager = llm.engine.grammar_manager()
+    manager = llm.engine.grammars.manager()
     backend = manager.backend
 
     def broken(spec):

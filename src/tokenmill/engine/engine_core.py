@@ -11,7 +11,6 @@ import itertools
 import logging
 import os
 from collections.abc import Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ from tokenmill.engine.engine_stats import engine_stats
 from tokenmill.engine.kv_offload import KVOffload
 from tokenmill.engine.pooling import add_pooled_parts, pooling_request
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request_grammars import FAILED, RequestGrammars
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.scheduling_policy import make_policy
 from tokenmill.engine.spec.proposer import Proposer, build_proposer, propose_drafts
@@ -89,11 +89,8 @@ class EngineCore:
         # what prefix sharing saves shows here.
         self.prompt_tokens_computed_total = 0
         self.pooling_requests_total = 0  # embedding requests admitted
-        # Structured output: the grammar manager (xgrammar, loaded on the first constrained request),
-        # compiled grammars still on their way, and each constrained request's matcher.
-        self._grammar: Any = None
-        self._grammar_pending: dict[str, Future[Any]] = {}
-        self._matchers: dict[str, Any] = {}
+        # Structured output: each constrained request's grammar and matcher (engine/request_grammars.py).
+        self.grammars = RequestGrammars(self._model_path, vocab_size, self.eos_token_ids)
         # Speculative decoding (engine/spec/): None when off.
         self.proposer: Proposer | None = build_proposer(config, vocab_size) if proposer is None else proposer
         self.spec_stats = SpecDecodeStats()
@@ -121,8 +118,7 @@ class EngineCore:
         max_tokens = resolve_max_tokens(params, n_prompt, self.vocab_size, self.max_model_len,
                                         self.scheduler.capacity_tokens, self.config.scheduling_policy)
         if params.structured_output is not None:
-            # Parsed now (a bad schema raises here, before queueing); compiled in the background.
-            self._grammar_pending[request_id] = self.grammar_manager().submit(params.structured_output)
+            self.grammars.submit(request_id, params.structured_output)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         request = Request(request_id, list(prompt_token_ids), params, max_tokens, generator, cache_salt)
         # Same prompt and salt, same group: the scheduler prefills such requests once (n > 1).
@@ -147,7 +143,7 @@ class EngineCore:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        self._drop_grammar(request_id)
+        self.grammars.drop(request_id)
         request.stop_reason = stop_reason
         self.scheduler.finish(request, status)
         self._release_speculation(request_id)
@@ -157,57 +153,10 @@ class EngineCore:
     def abort_request(self, request_id: str) -> bool:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
-    # ---- structured output -------------------------------------------------------------------
-    def grammar_manager(self) -> Any:
-        if self._grammar is None:
-            from tokenmill.model.default_model import default_model_path
-            from tokenmill.model.tokenizer_files import load_tokenizer_files
-            from tokenmill.sample.grammar import GrammarManager, xgrammar_backend
+    def _model_path(self) -> str:
+        from tokenmill.model.default_model import default_model_path
 
-            try:
-                import xgrammar  # noqa: F401
-            except ImportError:
-                raise InvalidRequest(
-                    "structured output needs xgrammar: pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi",
-                    param="response_format",
-                ) from None
-            path = os.path.abspath(os.path.expanduser(self.config.model or default_model_path()))
-            stops = tuple(sorted(self.eos_token_ids))
-            self._grammar = GrammarManager(
-                lambda: xgrammar_backend(load_tokenizer_files(path).backend, self.vocab_size, stops))
-        return self._grammar
-
-    def _matcher(self, request: Request) -> Any:
-        """The request's matcher, created when it first samples (its grammar compiled meanwhile)."""
-        rid = request.request_id
-        m = self._matchers.get(rid)
-        if m is None:
-            m = self._matchers[rid] = self._grammar.matcher(self._grammar_pending.pop(rid))
-        return m
-
-    def _resolve_matchers(self, sampling: list[Request]) -> tuple[list[Any], list[EngineOutput]]:
-        """Per row: a matcher, None (free row) or False (its grammar failed to compile: aborted)."""
-        matchers: list[Any] = []
-        failed: list[EngineOutput] = []
-        for r in sampling:
-            if r.params.structured_output is None:
-                matchers.append(None)
-                continue
-            try:
-                matchers.append(self._matcher(r))
-            except Exception:  # parsing passed, so this is xgrammar's own failure; do not kill the step
-                logger.exception("request %s: grammar compilation failed; aborting it", r.request_id)
-                matchers.append(False)
-                self.requests.pop(r.request_id, None)
-                self._drop_grammar(r.request_id)
-                self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
-                self._release_speculation(r.request_id)
-                failed.append(EngineOutput(r.request_id, [], finished=True, finish_reason=r.finish_reason))
-        return matchers, failed
-
-    def _drop_grammar(self, request_id: str) -> None:
-        self._grammar_pending.pop(request_id, None)
-        self._matchers.pop(request_id, None)
+        return os.path.abspath(os.path.expanduser(self.config.model or default_model_path()))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -282,10 +231,11 @@ class EngineCore:
             return []
         matchers = None
         failed: list[EngineOutput] = []
-        if self._matchers or self._grammar_pending:
-            matchers, failed = self._resolve_matchers(sampling)
+        if self.grammars.active():
+            matchers = self.grammars.rows(sampling)
+            failed = [self._abort_failed_grammar(r) for r, m in zip(sampling, matchers) if m is FAILED]
             if failed:  # drop the rows of requests whose grammar failed to compile
-                keep_req = [i for i, m in enumerate(matchers) if m is not False]
+                keep_req = [i for i, m in enumerate(matchers) if m is not FAILED]
                 starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
                 rows = [row for i in keep_req for row in range(starts[i], starts[i + 1])]
                 logits = logits[torch.tensor(rows, dtype=torch.long)]
@@ -320,7 +270,7 @@ class EngineCore:
                 self.spec_stats.record(len(guesses), len(run) - 1, emitted)
             first = len(request.output_token_ids) == emitted
             if status is not None:
-                self._drop_grammar(request.request_id)
+                self.grammars.drop(request.request_id)
                 # A run cut short by a stop: K/V past the last kept token is not this request's.
                 request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
                 self.requests.pop(request.request_id, None)
@@ -343,6 +293,12 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _abort_failed_grammar(self, request: Request) -> EngineOutput:
+        self.requests.pop(request.request_id, None)
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self._release_speculation(request.request_id)
+        return EngineOutput(request.request_id, [], finished=True, finish_reason=request.finish_reason)
 
     def _append_run(self, request: Request, run: list[int], matcher: Any) -> tuple[RequestStatus | None, int]:
         """Appends the step's tokens one by one until one ends the request: (its status, tokens kept)."""
