@@ -37,9 +37,25 @@ class TokenizerFiles:
     named_chat_templates: Mapping[str, str] = field(default_factory=dict)
 
 
-@functools.lru_cache(maxsize=8)
+# Tokenizers this process got without building them (tokenizer_export.load: read from the export
+# child's file), so that a later load_tokenizer_files of the same path - the grammar backend's - is
+# that very object, not a second build through transformers.
+_handed_over: dict[str, TokenizerFiles] = {}
+
+
+def remember(path: str, files: TokenizerFiles) -> None:
+    """`files` is the tokenizer of `path` (absolute) in this process from now on."""
+    _handed_over[path] = files
+
+
 def load_tokenizer_files(path: str) -> TokenizerFiles:
-    """What the .gguf file or Hugging Face folder at `path` (absolute) defines; cached per path."""
+    """What the .gguf file or Hugging Face folder at `path` (absolute) defines; cached per path. Built
+    here, through transformers, unless this process was handed it (remember())."""
+    return _handed_over.get(path) or _build(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _build(path: str) -> TokenizerFiles:
     if os.path.isfile(path) and path.endswith(".gguf"):
         return _load_gguf(path)
     if os.path.isdir(path):
