@@ -88,10 +88,11 @@ def cmd_load_memory(args: argparse.Namespace) -> int:
     print(f"  transformers imported by the load: {'yes' if transformers_loaded else 'no'}")
     final = stages[-1]["VmRSS"]
     print(f"  target 1.1 x file + 150 MB = {bound:.0f} MB: {'met' if final <= bound else 'not met'} "
-          f"({final:.0f} MB resident at the end, peak {stages[-1]['VmHWM']:.0f} MB)")
+          f"({final:.0f} MB resident at the end = {final / bound:.2f} x the target, "
+          f"peak {stages[-1]['VmHWM']:.0f} MB)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"settings": vars(args) | {"func": None}, "file_mb": size / MB, "weights_mb": weights,
-                       "target_mb": bound, "stages": stages,
+                       "target_mb": bound, "ratio_to_target": final / bound, "stages": stages,
                        "transformers_imported": transformers_loaded}, f, indent=1, default=str)
     return 0
