@@ -64,15 +64,19 @@ def _build(path: str) -> TokenizerFiles:
 
 
 def _load_gguf(path: str) -> TokenizerFiles:
-    from transformers import AutoTokenizer  # load time only: it is slow to import
+    # Load time only: the GGUF reader needs numpy, which the server's text processes (they import
+    # this module for the tokenizer's files) never load.
+    from tokenmill.model.gguf_metadata import read_gguf_metadata
 
     try:
-        meta = _gguf_metadata(path)
+        meta = read_gguf_metadata(path)
         if meta.get("tokenizer.ggml.model") == "llama":
             # SentencePiece: built as llama.cpp tokenizes (spm_vocab.py), not by transformers'
-            # converter, whose Gemma tokenizer gives other ids.
-            backend = _spm_backend(path)
+            # converter, whose Gemma tokenizer gives other ids; nor is transformers imported for it.
+            backend = _spm_backend(path, meta)
         else:
+            from transformers import AutoTokenizer  # load time only: it is slow to import
+
             hf = AutoTokenizer.from_pretrained(
                 os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
             )
@@ -96,40 +100,15 @@ def _load_gguf(path: str) -> TokenizerFiles:
     )
 
 
-def _spm_backend(path: str) -> tokenizers.Tokenizer:
-    # Load time only, like transformers above: the GGUF reader needs numpy, which the server's text
-    # processes (they import this module for the tokenizer's files) never load.
-    from tokenmill.model.gguf_metadata import read_gguf_metadata
+def _spm_backend(path: str, meta: dict[str, Any]) -> tokenizers.Tokenizer:
     from tokenmill.model.spm_vocab import build_spm_tokenizer
 
-    meta = read_gguf_metadata(path)
     tokens = meta.get("tokenizer.ggml.tokens")
     scores, types = meta.get("tokenizer.ggml.scores"), meta.get("tokenizer.ggml.token_type")
     if not tokens or scores is None or types is None or not len(tokens) == len(scores) == len(types):
         raise ModelLoadError(path, "a SentencePiece vocabulary needs tokenizer.ggml.tokens, scores and "
                                    "token_type of one length")
     return build_spm_tokenizer(meta, tokens, scores.tolist(), types.tolist())
-
-
-def _gguf_metadata(path: str) -> dict[str, Any]:
-    try:
-        # transformers' reader skips the big arrays (vocabulary, merges): much faster than gguf's.
-        from transformers.integrations.gguf.reader import read_gguf_metadata
-    except ImportError:
-        import gguf
-
-        reader = gguf.GGUFReader(path)
-        big = (
-            "tokenizer.ggml.tokens",
-            "tokenizer.ggml.token_type",
-            "tokenizer.ggml.merges",
-            "tokenizer.ggml.scores",
-        )
-        return {
-            k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.") and k not in big
-        }
-    metadata, _ = read_gguf_metadata(path, ())
-    return metadata
 
 
 def _load_hf_folder(folder: str) -> TokenizerFiles:
