@@ -76,3 +76,42 @@ def test_the_export_childs_failure_reaches_the_caller(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="expected a .gguf file") as caught:
         tokenizer_export.load(missing)
     assert caught.value.path == missing
+
+
+def test_a_sentencepiece_gguf_is_built_in_process_without_transformers(tmp_path):
+    """Gemma's kind of vocabulary needs no transformers: built where it is loaded, no export child."""
+    import gguf
+
+    from tests.model.test_spm_vocab import llama_cpp_spm, made_up_vocab
+
+    meta, tokens, scores, types = made_up_vocab()
+    path = tmp_path / "spm.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(True)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    texts = ["abcde aab", "cd\n\nea<ctl> é中x"]
+    code = (
+        "import json, subprocess, sys\n"
+        "run, children = subprocess.run, []\n"
+        "subprocess.run = lambda cmd, **kw: children.append(cmd) or run(cmd, **kw)\n"
+        "from tokenmill.model import tokenizer_export\n"
+        f"files = tokenizer_export.load({str(path)!r})\n"
+        "print(json.dumps({'heavy': sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'torch'}),\n"
+        "                  'children': children, 'eos': sorted(files.eos_token_ids),\n"
+        f"                  'ids': [files.backend.encode(t).ids for t in {texts!r}]}}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["heavy"] == [] and seen["children"] == [] and seen["eos"] == [2]
+    assert seen["ids"] == [llama_cpp_spm(t, tokens, scores, types, add_space_prefix=True) for t in texts]

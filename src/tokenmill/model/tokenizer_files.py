@@ -63,13 +63,29 @@ def _build(path: str) -> TokenizerFiles:
     raise ModelLoadError(path, "expected a .gguf file or a Hugging Face model folder")
 
 
-def _load_gguf(path: str) -> TokenizerFiles:
+def sentencepiece_files(path: str) -> TokenizerFiles | None:
+    """What the file at `path` (absolute) defines if it is a SentencePiece GGUF, whose build needs no
+    transformers (spm_vocab.py); None for any other model."""
+    if not (os.path.isfile(path) and path.endswith(".gguf")):
+        return None
+    meta = _gguf_metadata(path)
+    return _load_gguf(path, meta) if meta.get("tokenizer.ggml.model") == "llama" else None
+
+
+def _gguf_metadata(path: str) -> dict[str, Any]:
     # Load time only: the GGUF reader needs numpy, which the server's text processes (they import
     # this module for the tokenizer's files) never load.
     from tokenmill.model.gguf_metadata import read_gguf_metadata
 
     try:
-        meta = read_gguf_metadata(path)
+        return read_gguf_metadata(path)
+    except Exception as exc:  # a truncated or foreign file: name it
+        raise ModelLoadError(path, f"cannot read the GGUF metadata: {exc}") from exc
+
+
+def _load_gguf(path: str, meta: dict[str, Any] | None = None) -> TokenizerFiles:
+    meta = _gguf_metadata(path) if meta is None else meta
+    try:
         if meta.get("tokenizer.ggml.model") == "llama":
             # SentencePiece: built as llama.cpp tokenizes (spm_vocab.py), not by transformers'
             # converter, whose Gemma tokenizer gives other ids; nor is transformers imported for it.
