@@ -28,5 +28,8 @@ def test_reports_each_stage_against_the_bound(tmp_path):
     assert peaks == sorted(peaks)  # a high-water mark never falls
     assert stages[1]["VmRSS"] - stages[0]["VmRSS"] > 0.5 * report["weights_mb"]  # the weights became resident
     assert report["target_mb"] == target_mb(int(report["file_mb"] * 2**20)) > report["file_mb"]
+    assert report["ratio_to_target"] == stages[-1]["VmRSS"] / report["target_mb"]
+    assert report["transformers_imported"] is False  # the tokenizer came from the export child / its cache
+    assert stages[2]["stage"] == "tokenizer" and stages[2]["s"] > 0
     text = run.stdout
     assert "target 1.1 x file + 150 MB" in text and ("not met" in text or " met " in text)

@@ -40,9 +40,10 @@ class InProcessLLM:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         self.engine: EngineCore = build_engine_core(self.config)
         self.tokenizer = Tokenizer.from_model_path(model or default_model_path())
-        # Building the tokenizer leaves its Python garbage as free but resident heap (a GGUF BPE through
-        # transformers ~32 MB; Gemma 3's 262k tokens and 515k merges ~80 MB): give it back, as the
-        # server's processes do after their load (docs/benchmarks.md, the MoE and Gemma memory sections).
+        # Loading the tokenizer (model/tokenizer_export.load: no transformers here) leaves its parse
+        # garbage as free but resident heap (the bundled model's ~31 MB; Gemma 3's 262k tokens and 515k
+        # merges ~82 MB): give it back, as the server's processes do after their load
+        # (docs/benchmarks.md, "Resident memory of LLM(file) without transformers").
         malloc_trim()
         self._ids = itertools.count()
 

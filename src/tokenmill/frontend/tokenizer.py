@@ -2,7 +2,9 @@
 
 Loading (model/tokenizer_files.py) builds exactly the tokenizer transformers would build (from a
 GGUF file's metadata, or from a Hugging Face folder with its add_bos/add_eos rules), so our ids match
-Hugging Face's. Everything per request (encode, decode, streaming) goes straight to `tokenizers`.
+Hugging Face's; `from_model_path` has it built in the export child (model/tokenizer_export.py) or
+taken from the cache, so transformers stays out of this process. Everything per request (encode,
+decode, streaming) goes straight to `tokenizers`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import tokenizers
 
 from tokenmill.frontend.chat_template import render_chat_template
 from tokenmill.frontend.length_bound import max_chars_per_token, min_token_count
-from tokenmill.model.tokenizer_files import TokenizerFiles, load_tokenizer_files
+from tokenmill.model.tokenizer_export import load as load_tokenizer
+from tokenmill.model.tokenizer_files import TokenizerFiles
 
 logger = logging.getLogger(__name__)
 
@@ -159,4 +162,4 @@ class Tokenizer:
 
 @functools.lru_cache(maxsize=8)
 def _load(path: str) -> Tokenizer:
-    return Tokenizer.from_files(load_tokenizer_files(path))
+    return Tokenizer.from_files(load_tokenizer(path))

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -28,7 +29,12 @@ import tokenizers
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import tokenizer_cache
-from tokenmill.model.tokenizer_files import TokenizerFiles, load_tokenizer_files
+from tokenmill.model.tokenizer_files import (
+    TokenizerFiles,
+    load_tokenizer_files,
+    remember,
+    sentencepiece_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +111,26 @@ def export(model: str, path: str, niceness: int = 0) -> TokenizerFiles:
         write(path, None, f"the tokenizer export process exited with {proc.returncode}")
     files = read(path, model)  # raises the build's error: nothing is kept
     tokenizer_cache.store(name, path)
+    return files
+
+
+def load(model: str) -> TokenizerFiles:
+    """The tokenizer of `model` (absolute path) for a process that keeps transformers out: the offline
+    `LLM`, as the server's text processes do. transformers' import is ~20 MB beside torch, and its GGUF
+    conversion leaves ~50 MB more resident for the process's whole life (docs/benchmarks.md, "Resident
+    memory of LLM(file) without transformers"); read from the export child's file (or the cache) the
+    tokenizer costs only itself. Where transformers is already imported (a test, a caller that uses
+    it), the build runs here instead: the import is paid, and the child would only add its seconds.
+    Raises ModelLoadError with the build's error, as `tokenmill serve` does."""
+    if "transformers" in sys.modules:
+        return load_tokenizer_files(model)
+    # A SentencePiece GGUF (Gemma) needs no transformers: built here, ~1 s more CPU than reading the
+    # kept file, but ~190 MB less peak than parsing its 21 MB of JSON (docs/benchmarks.md).
+    files = sentencepiece_files(model)
+    if files is None:
+        with tempfile.TemporaryDirectory(prefix="tokenmill-tokenizer-") as directory:
+            files = export(model, handoff_path(directory))
+    remember(model, files)  # the grammar backend's load_tokenizer_files gets this one, not a second build
     return files
 
 

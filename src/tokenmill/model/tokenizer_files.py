@@ -37,9 +37,25 @@ class TokenizerFiles:
     named_chat_templates: Mapping[str, str] = field(default_factory=dict)
 
 
-@functools.lru_cache(maxsize=8)
+# Tokenizers this process got without building them (tokenizer_export.load: read from the export
+# child's file), so that a later load_tokenizer_files of the same path - the grammar backend's - is
+# that very object, not a second build through transformers.
+_handed_over: dict[str, TokenizerFiles] = {}
+
+
+def remember(path: str, files: TokenizerFiles) -> None:
+    """`files` is the tokenizer of `path` (absolute) in this process from now on."""
+    _handed_over[path] = files
+
+
 def load_tokenizer_files(path: str) -> TokenizerFiles:
-    """What the .gguf file or Hugging Face folder at `path` (absolute) defines; cached per path."""
+    """What the .gguf file or Hugging Face folder at `path` (absolute) defines; cached per path. Built
+    here, through transformers, unless this process was handed it (remember())."""
+    return _handed_over.get(path) or _build(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _build(path: str) -> TokenizerFiles:
     if os.path.isfile(path) and path.endswith(".gguf"):
         return _load_gguf(path)
     if os.path.isdir(path):
@@ -47,16 +63,36 @@ def load_tokenizer_files(path: str) -> TokenizerFiles:
     raise ModelLoadError(path, "expected a .gguf file or a Hugging Face model folder")
 
 
-def _load_gguf(path: str) -> TokenizerFiles:
-    from transformers import AutoTokenizer  # load time only: it is slow to import
+def sentencepiece_files(path: str) -> TokenizerFiles | None:
+    """What the file at `path` (absolute) defines if it is a SentencePiece GGUF, whose build needs no
+    transformers (spm_vocab.py); None for any other model."""
+    if not (os.path.isfile(path) and path.endswith(".gguf")):
+        return None
+    meta = _gguf_metadata(path)
+    return _load_gguf(path, meta) if meta.get("tokenizer.ggml.model") == "llama" else None
+
+
+def _gguf_metadata(path: str) -> dict[str, Any]:
+    # Load time only: the GGUF reader needs numpy, which the server's text processes (they import
+    # this module for the tokenizer's files) never load.
+    from tokenmill.model.gguf_metadata import read_gguf_metadata
 
     try:
-        meta = _gguf_metadata(path)
+        return read_gguf_metadata(path)
+    except Exception as exc:  # a truncated or foreign file: name it
+        raise ModelLoadError(path, f"cannot read the GGUF metadata: {exc}") from exc
+
+
+def _load_gguf(path: str, meta: dict[str, Any] | None = None) -> TokenizerFiles:
+    meta = _gguf_metadata(path) if meta is None else meta
+    try:
         if meta.get("tokenizer.ggml.model") == "llama":
             # SentencePiece: built as llama.cpp tokenizes (spm_vocab.py), not by transformers'
-            # converter, whose Gemma tokenizer gives other ids.
-            backend = _spm_backend(path)
+            # converter, whose Gemma tokenizer gives other ids; nor is transformers imported for it.
+            backend = _spm_backend(path, meta)
         else:
+            from transformers import AutoTokenizer  # load time only: it is slow to import
+
             hf = AutoTokenizer.from_pretrained(
                 os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
             )
@@ -80,40 +116,15 @@ def _load_gguf(path: str) -> TokenizerFiles:
     )
 
 
-def _spm_backend(path: str) -> tokenizers.Tokenizer:
-    # Load time only, like transformers above: the GGUF reader needs numpy, which the server's text
-    # processes (they import this module for the tokenizer's files) never load.
-    from tokenmill.model.gguf_metadata import read_gguf_metadata
+def _spm_backend(path: str, meta: dict[str, Any]) -> tokenizers.Tokenizer:
     from tokenmill.model.spm_vocab import build_spm_tokenizer
 
-    meta = read_gguf_metadata(path)
     tokens = meta.get("tokenizer.ggml.tokens")
     scores, types = meta.get("tokenizer.ggml.scores"), meta.get("tokenizer.ggml.token_type")
     if not tokens or scores is None or types is None or not len(tokens) == len(scores) == len(types):
         raise ModelLoadError(path, "a SentencePiece vocabulary needs tokenizer.ggml.tokens, scores and "
                                    "token_type of one length")
     return build_spm_tokenizer(meta, tokens, scores.tolist(), types.tolist())
-
-
-def _gguf_metadata(path: str) -> dict[str, Any]:
-    try:
-        # transformers' reader skips the big arrays (vocabulary, merges): much faster than gguf's.
-        from transformers.integrations.gguf.reader import read_gguf_metadata
-    except ImportError:
-        import gguf
-
-        reader = gguf.GGUFReader(path)
-        big = (
-            "tokenizer.ggml.tokens",
-            "tokenizer.ggml.token_type",
-            "tokenizer.ggml.merges",
-            "tokenizer.ggml.scores",
-        )
-        return {
-            k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.") and k not in big
-        }
-    metadata, _ = read_gguf_metadata(path, ())
-    return metadata
 
 
 def _load_hf_folder(folder: str) -> TokenizerFiles:
