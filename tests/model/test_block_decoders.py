@@ -94,6 +94,21 @@ def test_kernel_within_activation_rounding(kind, rows):
 
 
 @pytest.mark.parametrize("kind", TYPES)
+def test_a_rows_result_does_not_depend_on_its_tile(kind):
+    # A row's sums are exact integers and its fp32 scaling the same operations in the same order in
+    # every tile shape (1-2 rows: both halves at once in two chains; from 3 rows: one chain, or for
+    # Q2_K / Q3_K / Q6_K the group's two halves in turn, csrc/quant_vnni.h half_tile): so each row of
+    # 11 (tiles of 6 + 5) and of 24 (threads split rows) equals that row alone, bit for bit.
+    k = 768 if kind in SUPER else 160
+    bw, _, _ = weight(kind, 48, k, seed=7)
+    for rows in (11, 24):
+        x = torch.randn(rows, k)
+        got = quant_kernel.blocked_linear(x, bw)
+        alone = torch.cat([quant_kernel.blocked_linear(x[i : i + 1], bw) for i in range(rows)])
+        assert torch.equal(got, alone)
+
+
+@pytest.mark.parametrize("kind", TYPES)
 def test_prompt_rows_can_run_bf16_gemm_on_the_file_values(kind):
     k = 512 if kind in SUPER else 160
     bw, ref, _ = weight(kind, 32, k, seed=3)

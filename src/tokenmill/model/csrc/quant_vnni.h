@@ -95,9 +95,102 @@ TV_TARGET TV_INLINE __m512i merged(const __m512i (&d)[Terms]) {
   else return _mm512_add_epi32(_mm512_slli_epi32(d[0], 8), d[1]);
 }
 
+// Quad J of half H of a group (H = 0: quads 0..3, inputs 0..15; H = 1: quads 4..7): the decoder's pair
+// with the other half's unpacking left to the compiler's dead-code elimination.
+template <class D, int J, int H>
+TV_TARGET TV_INLINE __m512i half_quad(const uint8_t* p) {
+  __m512i lo, hi;
+  pair<D, J>(p, lo, hi);
+  return H == 0 ? lo : hi;
+}
+
+// Quad J of half H times R rows' activations, into the rows' int32 sums.
+template <class D, int R, int Terms, int H, int J>
+TV_TARGET TV_INLINE void half_quad_rows(__m512i (&dot)[R][Terms], const uint8_t* codes, const int8_t* xq) {
+  const __m512i c = half_quad<D, J, H>(codes);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int t = 0; t < Terms; ++t)
+      dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], c, bcast4(xq + (r * Terms + t) * kGroup + 16 * H + 4 * J));
+}
+
+// Half H of a group of a format with two sub-blocks a group (Q2_K, Q3_K, Q6_K), R rows: the rows'
+// int32 sums over the half's 4 quads, scaled into acc by the half's sub-block scale. Taking the halves
+// one after the other needs one set of sums (2 R + R zmm registers), so that tiles hold 8 rows as for
+// the other formats, where both halves at once (a second set of sums) allowed 4: each unpacked code
+// then feeds 8 rows' vpdpbusd instead of 4, for a second load of the group's codes from L1.
+template <class D, int R, int Terms, int H>
+TV_TARGET TV_INLINE void half_tile(const uint8_t* codes, const int8_t* xq, const Acts& a, const int32_t* nsum128,
+                                   const int32_t* hsum, const float* dx, __m512 sc, __m512 (&acc)[R]) {
+  __m512i dot[R][Terms];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int t = 0; t < Terms; ++t) dot[r][t] = _mm512_set1_epi32(offset_start<D, Terms>(a, nsum128, hsum, r, t, H));
+  half_quad_rows<D, R, Terms, H, 0>(dot, codes, xq);
+  half_quad_rows<D, R, Terms, H, 1>(dot, codes, xq);
+  half_quad_rows<D, R, Terms, H, 2>(dot, codes, xq);
+  half_quad_rows<D, R, Terms, H, 3>(dot, codes, xq);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(merged<Terms>(dot[r])), _mm512_set1_ps(dx[r * Terms + Terms - 1]));
+    acc[r] = _mm512_fmadd_ps(s, sc, acc[r]);
+  }
+}
+
+// One group of R rows with both halves' codes unpacked at once (quads j and j + 4): every format at
+// 1-2 rows, and the formats with one sub-block a group at any rows.
+template <class D, int R, int Terms>
+TV_TARGET TV_INLINE void pair_tile(const uint8_t* codes, const int8_t* xq, const Acts& a, const int32_t* nsum128,
+                                   const int32_t* hsum, const float* dx, const __m512 (&sc)[D::kSubs],
+                                   __m512 (&acc)[R]) {
+  // With few rows the sums are chains of dependent vpdpbusd (8 a group and term): a second set of
+  // sums (quads 4..7) halves the chains; with more rows the rows give the independence, and the
+  // registers are needed for them. Two sub-blocks a group need the second set anyway.
+  constexpr bool kTwoChains = R <= 2 || D::kSubs == 2;
+  __m512i dot[R][Terms], dot2[R][Terms];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int t = 0; t < Terms; ++t) {
+      dot[r][t] = _mm512_set1_epi32(offset_start<D, Terms>(a, nsum128, hsum, r, t, 0));
+      dot2[r][t] = D::kSubs == 2 ? _mm512_set1_epi32(offset_start<D, Terms>(a, nsum128, hsum, r, t, 1))
+                                 : _mm512_setzero_si512();
+    }
+  {
+    __m512i lo, hi;
+    pair<D, 0>(codes, lo, hi);
+    quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 0);
+    pair<D, 1>(codes, lo, hi);
+    quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 1);
+    pair<D, 2>(codes, lo, hi);
+    quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 2);
+    pair<D, 3>(codes, lo, hi);
+    quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 3);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    // The terms' sums merge in integers, 256 D1 + D2 (quant_acts.h: d2 = d1 / 256; |256 D1| < 2^28),
+    // and are scaled once by d2: (256 D1 + D2) * d2 * scale is a conversion, a multiply and a
+    // multiply-add a row, against two conversions and three for (d1 D1 + d2 D2) * scale.
+    const __m512 dxr = _mm512_set1_ps(dx[r * Terms + Terms - 1]);
+    if constexpr (D::kSubs == 1) {
+      if constexpr (kTwoChains)
+        for (int t = 0; t < Terms; ++t) dot[r][t] = _mm512_add_epi32(dot[r][t], dot2[r][t]);
+      const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(merged<Terms>(dot[r])), dxr);
+      acc[r] = _mm512_fmadd_ps(s, sc[0], acc[r]);
+    } else {
+      const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(merged<Terms>(dot[r])), dxr);
+      const __m512 s2 = _mm512_mul_ps(_mm512_cvtepi32_ps(merged<Terms>(dot2[r])), dxr);
+      acc[r] = _mm512_fmadd_ps(s2, sc[1], _mm512_fmadd_ps(s, sc[0], acc[r]));
+    }
+  }
+}
+
 // R rows (m0..) x the 16 columns of block nb. Per group, each (row, term) sums its 8 vpdpbusd in an
 // int32 register, scaled into the row's fp32 result once: 3 R + 3 zmm registers (R <= 8 of 32).
-// Decoders with two sub-blocks a group keep a second set of sums (R <= 4).
+// Decoders with two sub-blocks a group take the halves in turn from 3 rows (half_tile).
 template <class D, int R, int Terms>
 TV_TARGET void tile(const Weights& w, const Acts& a, int64_t N, int64_t m0, int64_t nb, float* y) {
   constexpr int64_t kBytes = D::kBits * 64;  // codes of one block and group
@@ -120,48 +213,13 @@ TV_TARGET void tile(const Weights& w, const Acts& a, int64_t N, int64_t m0, int6
     constexpr int kPrefetchLines = D::kBits != 8 || R > 2 ? kBytes / 64 : 0;
 #pragma GCC unroll 8
     for (int l = 0; l < kPrefetchLines; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + 2048 + l * 64), _MM_HINT_T0);
-    // With few rows the sums are chains of dependent vpdpbusd (8 a group and term): a second set of
-    // sums (quads 4..7) halves the chains; with more rows the rows give the independence, and the
-    // registers are needed for them. Two sub-blocks a group need the second set anyway.
-    constexpr bool kTwoChains = R <= 2 || D::kSubs == 2;
-    __m512i dot[R][Terms], dot2[R][Terms];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-      for (int t = 0; t < Terms; ++t) {
-        dot[r][t] = _mm512_set1_epi32(offset_start<D, Terms>(a, nsum128, hsum, r, t, 0));
-        dot2[r][t] = D::kSubs == 2 ? _mm512_set1_epi32(offset_start<D, Terms>(a, nsum128, hsum, r, t, 1))
-                                   : _mm512_setzero_si512();
-      }
-    {
-      __m512i lo, hi;
-      pair<D, 0>(codes, lo, hi);
-      quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 0);
-      pair<D, 1>(codes, lo, hi);
-      quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 1);
-      pair<D, 2>(codes, lo, hi);
-      quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 2);
-      pair<D, 3>(codes, lo, hi);
-      quad_pair<R, Terms, kTwoChains>(dot, dot2, lo, hi, xq, 3);
-    }
     __m512 sc[D::kSubs];
     D::scales(w, nb, g, sc);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      // The terms' sums merge in integers, 256 D1 + D2 (quant_acts.h: d2 = d1 / 256; |256 D1| < 2^28),
-      // and are scaled once by d2: (256 D1 + D2) * d2 * scale is a conversion, a multiply and a
-      // multiply-add a row, against two conversions and three for (d1 D1 + d2 D2) * scale.
-      const __m512 dxr = _mm512_set1_ps(dx[r * Terms + Terms - 1]);
-      if constexpr (D::kSubs == 1) {
-        if constexpr (kTwoChains)
-          for (int t = 0; t < Terms; ++t) dot[r][t] = _mm512_add_epi32(dot[r][t], dot2[r][t]);
-        const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(merged<Terms>(dot[r])), dxr);
-        acc[r] = _mm512_fmadd_ps(s, sc[0], acc[r]);
-      } else {
-        const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(merged<Terms>(dot[r])), dxr);
-        const __m512 s2 = _mm512_mul_ps(_mm512_cvtepi32_ps(merged<Terms>(dot2[r])), dxr);
-        acc[r] = _mm512_fmadd_ps(s2, sc[1], _mm512_fmadd_ps(s, sc[0], acc[r]));
-      }
+    if constexpr (D::kSubs == 2 && R > 2) {
+      half_tile<D, R, Terms, 0>(codes, xq, a, nsum128, hsum, dx, sc[0], acc);
+      half_tile<D, R, Terms, 1>(codes, xq, a, nsum128, hsum, dx, sc[1], acc);
+    } else {
+      pair_tile<D, R, Terms>(codes, xq, a, nsum128, hsum, dx, sc, acc);
     }
     if (has_min) {
       __m512 mn[D::kSubs];
@@ -191,7 +249,7 @@ constexpr int64_t kSplitRowsFrom = 16;
 constexpr int64_t kSplitRowsMaxWeights = int64_t{1} << 23;
 
 template <class D>
-constexpr int max_rows() { return D::kSubs == 2 ? 4 : kMaxRows; }
+constexpr int max_rows() { return kMaxRows; }
 
 // Blocks nb0..nb1 x rows m0..m1, in tiles of at most max_rows rows as even as possible (9 rows:
 // 5 + 4, not 8 + 1); a block's codes stay in L1 from one tile to the next.
