@@ -20,6 +20,7 @@
 // Needs decode_phases.h included first.
 
 #include <cstring>
+#include <vector>
 
 namespace tm_step {
 
@@ -64,18 +65,79 @@ inline bool one_row(int64_t T, const tm_attention::Plan& plan) {
   return T == 1 && plan.partial_size == 0;
 }
 
+// Early K/V: where the qkv linear's share of every thread (linear_share's column blocks) holds some KV
+// heads' K and V columns whole, the thread that computed them also (k-norms,) RoPEs and stores them
+// before the barrier that ends the qkv phase; the attention phase is then free to split one KV
+// head's query heads between threads (Gemma 3 270M: one KV head, four query heads), since no thread
+// waits for a K/V row another is storing. -1: a head's columns straddle two shares (no early K/V).
+inline int kv_owner(const StackBase& st, const Linear& qkv, int64_t j, int team) {
+  const int64_t nb = qkv.N / tm_vnni::kCols;
+  const int64_t k0 = (st.nq + j) * st.hd / tm_vnni::kCols, v0 = (st.nq + st.nkv + j) * st.hd / tm_vnni::kCols;
+  const int64_t n = (st.hd + tm_vnni::kCols - 1) / tm_vnni::kCols;
+  for (int t = 0; t < team; ++t) {
+    int64_t b0, b1;
+    share(nb, t, team, b0, b1);
+    if (b0 <= k0 && k0 + n <= b1 && b0 <= v0 && v0 + n <= b1 && st.hd % tm_vnni::kCols == 0) return t;
+  }
+  return -1;
+}
+
+// kv_owner of each KV head, or empty where some head has none (no early K/V).
+inline std::vector<int> kv_owners(const StackBase& st, const Linear& qkv, int team) {
+  std::vector<int> owners(static_cast<size_t>(st.nkv));
+  for (int64_t j = 0; j < st.nkv; ++j)
+    if ((owners[j] = kv_owner(st, qkv, j, team)) < 0) return {};
+  return owners;
+}
+
+// The qkv linear's share; with early K/V (`owners`: kv_owner of each KV head) the K and V rows of
+// the heads this thread computed, k-normed by `norm_k(float* head)` (gemma; a no-op elsewhere),
+// RoPE'd and stored at `slot`. Then the barrier.
+template <class NormK>
+inline void row_qkv_phase(const StackBase& st, Scratch& s, RowCopy& r, const Linear& qkv, const int* owners,
+                          const float* cos, const float* sin, int64_t slot, void* k_cache, void* v_cache, Worker& w,
+                          NormK norm_k) {
+  linear_share(qkv, r.a_hidden, r.rows, s.qkv, w.tid, w.team);
+  const int64_t nq = st.nq, nkv = st.nkv, hd = st.hd;
+  for (int64_t j = 0; owners != nullptr && j < nkv; ++j) {
+    if (owners[j] != w.tid) continue;
+    float* k = r.qk + (nq + j) * hd;
+    std::memcpy(k, s.qkv + (nq + j) * hd, static_cast<size_t>(hd) * sizeof(float));
+    norm_k(k);
+    tm_fused::rope_rows_avx512(k, 0, cos, sin, 0, 1, hd, r.q, r.k + j * hd, 0, r.rows);  // one k head
+    const int64_t row = j * st.num_slots + slot;
+    tm_fused::store_cache_row(true, st.cache_format, r.k + j * hd, k_cache, row, hd);
+    tm_fused::store_cache_row(true, st.cache_format, s.qkv + (nq + nkv + j) * hd, v_cache, row, hd);
+  }
+  w.sync();
+}
+
 // RoPE of the row's q and k heads from `qk` (the first (nq + nkv) x hd values of the qkv row, maybe
 // q/k-normed) into the thread's copy; the K and V rows of its attention items' KV heads stored at
 // `slot`; those items attended from the copy's q into s.attn (shared, disjoint heads); then, after
 // the barrier, the whole attention row rounded into the copy for o.
+// With early K/V (`early`) the K/V rows are stored already and only q is RoPE'd here; one item of a
+// head_dim the plain-loop kernel runs (attend_one_scalar: each query head on its own, so a subset of
+// them gives the same bits) is then split by query heads between the threads.
 inline void row_attention_phase(const StackBase& st, Scratch& s, RowCopy& r, const float* qk, const float* cos,
                                 const float* sin, int64_t slot, tm_attention::Args la, tm_attention::RangeFn attend,
-                                const tm_attention::Plan& plan, Worker& w) {
+                                const tm_attention::Plan& plan, bool early, Worker& w) {
   const int64_t nq = st.nq, nkv = st.nkv, hd = st.hd;
-  tm_fused::rope_rows_avx512(qk, 0, cos, sin, nq, nkv, hd, r.q, r.k, 0, r.rows);
+  tm_fused::rope_rows_avx512(qk, 0, cos, sin, nq, early ? 0 : nkv, hd, r.q, r.k, 0, r.rows);
   const int64_t num_items = plan.num_items(), chunk = (num_items + w.team - 1) / w.team;
+  if (early && num_items == 1 && nkv == 1 && hd > 128 && w.team > 1) {
+    int64_t g0, g1;
+    share(nq, w.tid, w.team, g0, g1);
+    la.group = g1 - g0;
+    la.q = r.q + g0 * hd;
+    la.out = s.attn + g0 * hd;
+    if (g0 < g1) attend(la, 0, 1, w.scores.data(), w.acc.data());
+    w.sync();
+    tm_vnni::quantize_rows<kTerms>(s.attn, nq * hd, 0, r.rows, r.a_attn);
+    return;
+  }
   const int64_t i0 = std::min(num_items, w.tid * chunk), i1 = std::min(num_items, i0 + chunk);
-  for (int64_t i = i0; i < i1; ++i) {
+  for (int64_t i = i0; i < i1 && !early; ++i) {
     const int64_t j = plan.items[i * tm_attention::kItemFields + 2], row = j * st.num_slots + slot;
     tm_fused::store_cache_row(true, st.cache_format, r.k + j * hd, const_cast<void*>(la.k), row, hd);
     tm_fused::store_cache_row(true, st.cache_format, s.qkv + (nq + nkv + j) * hd, const_cast<void*>(la.v), row, hd);

@@ -242,13 +242,16 @@ struct DecodeStack : tm_step::StackBase {
     tm_fused::add_rms_norm_rows_avx512(r.x, s.zero, layers[0].input_norm, hidden, e, r.h, 0, r.rows);
     tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
     const int64_t L = static_cast<int64_t>(layers.size());
+    const std::vector<int> owners = tm_step::kv_owners(*this, layers[0].qkv, w.team);  // every layer's split
+    const int* early = owners.empty() ? nullptr : owners.data();
+    const auto no_norm = [](float*) {};
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers[i];
-      tm_step::linear_phase(l.qkv, r.a_hidden, r.rows, s.qkv, w);
+      tm_step::row_qkv_phase(*this, s, r, l.qkv, early, cos, sin, slot, l.k_cache, l.v_cache, w, no_norm);
       tm_attention::Args la = args;
       la.k = l.k_cache;
       la.v = l.v_cache;
-      tm_step::row_attention_phase(*this, s, r, s.qkv, cos, sin, slot, la, attend, plan, w);
+      tm_step::row_attention_phase(*this, s, r, s.qkv, cos, sin, slot, la, attend, plan, early != nullptr, w);
       tm_step::linear_phase(l.o, r.a_attn, r.rows, s.delta, w);
       tm_fused::add_rms_norm_rows_avx512(r.x, s.delta, l.post_norm, hidden, e, r.h, 0, r.rows);
       tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);

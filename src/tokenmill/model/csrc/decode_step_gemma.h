@@ -285,19 +285,26 @@ struct GemmaDecodeStack : tm_step::StackBase {
       std::memcpy(r.delta, s.delta, static_cast<size_t>(hidden) * sizeof(float));
       add_normed_rows(r.x, r.delta, w_delta, w_out, hidden, e, r.h, 0, r.rows);
     };
+    const std::vector<int> owners = tm_step::kv_owners(*this, layers[0].qkv, w.team);  // every layer's split
+    const int* early = owners.empty() ? nullptr : owners.data();
     for (int64_t i = 0; i < L; ++i) {
       const GemmaLayer& l = layers[i];
-      tm_step::linear_phase(l.qkv, r.a_hidden, r.rows, s.qkv, w);
+      const int64_t rp = std::min<int64_t>(l.rope, static_cast<int64_t>(cos.size()) - 1);
+      const float* c = cos[rp].data_ptr<float>();
+      const float* sn = sin[rp].data_ptr<float>();
+      const auto norm_k = [&](float* k) {
+        if (l.k_norm != nullptr) rms_norm_inplace(k, r.rows, hd, hd, l.k_norm, e);
+      };
+      tm_step::row_qkv_phase(*this, s, r, l.qkv, early, c, sn, layer_slots[i][0], l.k_cache, l.v_cache, w, norm_k);
       const float* qk = s.qkv;
       if (l.q_norm != nullptr) {
-        std::memcpy(r.qk, s.qkv, static_cast<size_t>(qk_n) * sizeof(float));
+        std::memcpy(r.qk, s.qkv, static_cast<size_t>(early ? nq * hd : qk_n) * sizeof(float));
         rms_norm_inplace(r.qk, nq, hd, hd, l.q_norm, e);
-        rms_norm_inplace(r.qk + nq * hd, nkv, hd, hd, l.k_norm, e);
+        if (early == nullptr) rms_norm_inplace(r.qk + nq * hd, nkv, hd, hd, l.k_norm, e);
         qk = r.qk;
       }
-      const int64_t rp = std::min<int64_t>(l.rope, static_cast<int64_t>(cos.size()) - 1);
-      tm_step::row_attention_phase(*this, s, r, qk, cos[rp].data_ptr<float>(), sin[rp].data_ptr<float>(),
-                                   layer_slots[i][0], layer_args[i], attend, *layer_plans[i], w);
+      tm_step::row_attention_phase(*this, s, r, qk, c, sn, layer_slots[i][0], layer_args[i], attend, *layer_plans[i],
+                                   early != nullptr, w);
       tm_step::linear_phase(l.o, r.a_attn, r.rows, s.delta, w);
       add_delta(l.norms[1], l.norms[2]);
       tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
