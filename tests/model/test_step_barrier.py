@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C
 OMP, SPIN = BARRIER_KINDS["omp"], BARRIER_KINDS["spin"]
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3", "gemma3-hd256", "mixtral"])
+@pytest.fixture(scope="module", params=["llama", "llama-mha", "gemma3", "gemma3-hd256", "mixtral"])
 def runner(request, tmp_path_factory) -> ModelRunner:
     tmp = tmp_path_factory.mktemp(request.param)
     if request.param == "mixtral":  # MoE layers: decode_step_moe.h's own omp barriers between ours
@@ -33,6 +33,11 @@ def runner(request, tmp_path_factory) -> ModelRunner:
     elif request.param == "gemma3-hd256":  # Gemma 3 270M's heads: one row's one item split by query heads
         folder = make_tiny_model(tmp, "gemma3", tokenizer=False, hidden_size=128, intermediate_size=256,
                                  num_attention_heads=4, num_key_value_heads=1, head_dim=256)
+        gguf = write_tiny_gguf(folder, tmp / "tiny.gguf", quant="Q8_0")
+    elif request.param == "llama-mha":  # as many KV heads as query heads: a K head's columns straddle the
+        # threads' qkv shares, so one-row steps store each KV head's K/V with its attention item
+        folder = make_tiny_model(tmp, "llama", tokenizer=False, hidden_size=128, intermediate_size=256,
+                                 num_attention_heads=4, num_key_value_heads=4)
         gguf = write_tiny_gguf(folder, tmp / "tiny.gguf", quant="Q8_0")
     else:
         folder = make_tiny_model(tmp, request.param, tokenizer=False, hidden_size=128, intermediate_size=256)
