@@ -24,12 +24,21 @@ pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C
 OMP, SPIN = BARRIER_KINDS["omp"], BARRIER_KINDS["spin"]
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3", "mixtral"])
+@pytest.fixture(scope="module", params=["llama", "llama-mha", "gemma3", "gemma3-hd256", "mixtral"])
 def runner(request, tmp_path_factory) -> ModelRunner:
     tmp = tmp_path_factory.mktemp(request.param)
     if request.param == "mixtral":  # MoE layers: decode_step_moe.h's own omp barriers between ours
         folder = make_tiny_model(tmp, "mixtral", tokenizer=False, **SIZES, num_local_experts=8)
         gguf = write_moe_gguf(folder, tmp / "moe.gguf", lambda name: "Q8_0")[0]
+    elif request.param == "gemma3-hd256":  # Gemma 3 270M's heads: one row's one item split by query heads
+        folder = make_tiny_model(tmp, "gemma3", tokenizer=False, hidden_size=128, intermediate_size=256,
+                                 num_attention_heads=4, num_key_value_heads=1, head_dim=256)
+        gguf = write_tiny_gguf(folder, tmp / "tiny.gguf", quant="Q8_0")
+    elif request.param == "llama-mha":  # as many KV heads as query heads: a K head's columns straddle the
+        # threads' qkv shares, so one-row steps store each KV head's K/V with its attention item
+        folder = make_tiny_model(tmp, "llama", tokenizer=False, hidden_size=128, intermediate_size=256,
+                                 num_attention_heads=4, num_key_value_heads=4)
+        gguf = write_tiny_gguf(folder, tmp / "tiny.gguf", quant="Q8_0")
     else:
         folder = make_tiny_model(tmp, request.param, tokenizer=False, hidden_size=128, intermediate_size=256)
         gguf = write_tiny_gguf(folder, tmp / "tiny.gguf", quant="Q8_0")
@@ -73,15 +82,19 @@ def test_spin_barrier_computes_what_omp_barrier_does(runner):
 
 
 @pytest.mark.parametrize("kind", [OMP, SPIN])
-def test_the_log_counts_every_barrier_of_a_step(runner, kind):
-    """One decode row (no split attention runs to merge): one barrier after the first norm, then ten a
-    layer (qkv, RoPE + store, attention, its rows rounded, o, norm, gate_up, activation, down, norm)."""
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_log_counts_every_barrier_of_a_step(runner, kind, rows):
+    """Two decode rows (no split attention runs to merge): one barrier after the first norm, then ten a
+    layer (qkv, RoPE + store, attention, its rows rounded, o, norm, gate_up, activation, down, norm).
+    One row (every thread holds it, decode_row_phases.h): five a layer (qkv, attention, o, gate_up,
+    down)."""
     if any(hasattr(layer, "moe_block") for layer in runner.model.layers):
         pytest.skip("an MoE block passes barriers of its own (decode_step_moe.h), not logged")
     torch.set_num_threads(2)
-    prompt = ids(30, 4)
-    pages = prefill(runner, [prompt])[0]
-    stack, args = captured(runner, [SeqChunk(ids(1, 5), len(prompt), pages, sample=True)])
+    prompts = [ids(30, 4), ids(20, 14)][:rows]
+    pages = prefill(runner, prompts)
+    stack, args = captured(runner, [SeqChunk(ids(1, 5 + j), len(p), pg, sample=True)
+                                    for j, (p, pg) in enumerate(zip(prompts, pages))])
     stack.set_barrier(kind, 50, True)
     try:
         assert stack.barrier_stats() == [0.0] * 5  # set_barrier resets the totals
@@ -89,10 +102,49 @@ def test_the_log_counts_every_barrier_of_a_step(runner, kind):
             stack.run(args[0].clone(), *args[1:])
         steps, barriers, step_ns, wait_ns, late_ns = stack.barrier_stats()
         layers = len(runner.model.layers)
-        assert (steps, barriers) == (3, 3 * (1 + 10 * layers))
+        assert (steps, barriers) == (3, 3 * (5 * layers if rows == 1 else 1 + 10 * layers))
         assert step_ns > 0 and 0 <= late_ns <= wait_ns <= 2 * step_ns
     finally:
         stack.set_barrier(OMP, 0, False)
+
+
+def _call(runner: ModelRunner, chunks: list[SeqChunk]):
+    """The stack and (x before the call, x after, output) of the call that `chunks` make."""
+    runner.execute(chunks)  # binds the stack
+    holder, seen = runner.model._decode_stack, []
+    stack = holder._stack
+
+    class Copying:  # keeps the residual stream's input, which the call updates in place
+        def run(self, x, *rest):
+            seen.append(x.clone())
+            out = stack.run(x, *rest)
+            seen.extend([x.clone(), out])
+            return out
+
+    holder._stack = Copying()
+    try:
+        runner.execute(chunks)
+    finally:
+        holder._stack = stack
+    return seen
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_alone_computes_what_it_does_beside_another(runner, threads):
+    """A step of one decode row (every thread holds the row, decode_row_phases.h) gives the bits the
+    same row gets in a step of two (each row's phases on its owner thread): output, residual stream
+    and the K/V it stores, with bf16 caches."""
+    torch.set_num_threads(threads)
+    prompts = [ids(37, 7), ids(21, 8)]
+    pages = prefill(runner, prompts)
+    row, other = (SeqChunk(ids(1, 9 + j), len(p), pg, sample=True) for j, (p, pg) in enumerate(zip(prompts, pages)))
+    x_pair, after_pair, out_pair = _call(runner, [row, other])
+    kv_pair = [t.clone() for pair in runner.kv_caches for t in pair]
+    x_one, after_one, out_one = _call(runner, [row])  # rewrites the row's slot
+    assert torch.equal(x_one[0], x_pair[0])  # the same input row
+    assert torch.equal(out_one[0], out_pair[0])
+    assert torch.equal(after_one[0], after_pair[0])
+    assert all(torch.equal(a, b) for a, b in zip(kv_pair, [t for pair in runner.kv_caches for t in pair]))
 
 
 def test_bad_barrier_settings_are_errors(runner):

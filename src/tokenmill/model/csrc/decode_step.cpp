@@ -20,6 +20,7 @@
 #include "quant_vnni.h"
 #include "decode_step_moe.h"
 #include "decode_phases.h"
+#include "decode_row_phases.h"
 
 #include <omp.h>
 
@@ -189,36 +190,83 @@ struct DecodeStack : tm_step::StackBase {
     };
     tm_step::StepLogs logs(barrier, nt);
 
+    const bool row_mode = tm_step::one_row(T, plan);
+    const at::Tensor copies = at::empty({row_mode ? nt * tm_step::row_copy_floats(*this) : 0}, x.options());
+
 #pragma omp parallel num_threads(nt)
     {
       Worker w(T, plan.scores_size, nq / nkv * hd, barrier, logs.logs);
-      tm_fused::add_rms_norm_rows_avx512(xp, s.zero, layers[0].input_norm, hidden, e, s.h, w.r0, w.r1);
-      tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
-      for (int64_t i = 0; i < L; ++i) {
-        const Layer& l = layers[i];
-        tm_step::linear_phase(l.qkv, s.a_hidden, T, s.qkv, w);
-        tm_step::rope_store_phase(*this, s, cp, snp, sp, l.k_cache, l.v_cache, w);
-        tm_attention::Args la = args;
-        la.k = l.k_cache;
-        la.v = l.v_cache;
-        tm_step::attention_phase(*this, s, la, attend, plan, w);
-        tm_step::linear_phase(l.o, s.a_attn, T, s.delta, w);
-        tm_fused::add_rms_norm_rows_avx512(xp, s.delta, l.post_norm, hidden, e, s.h, w.r0, w.r1);
+      if (row_mode) {
+        tm_step::RowCopy r = tm_step::make_row_copy(*this, copies.data_ptr<float>(), w.tid, xp, T);
+        run_row(r, s, moe_scratch, args, attend, cp, snp, sp[0], plan, xp, op, w);
+      } else {
+        tm_fused::add_rms_norm_rows_avx512(xp, s.zero, layers[0].input_norm, hidden, e, s.h, w.r0, w.r1);
         tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
-        if (l.moe < 0) {
-          tm_step::mlp_phase(*this, s, l.gate_up, l.down, T, w, silu_mul);
-        } else {
-          tm_moe::ffn<kTerms>(moe_blocks[l.moe], moe_scratch, s.h, s.a_hidden, hidden, s.delta, w.tid, w.team);
-          w.sync();
+        for (int64_t i = 0; i < L; ++i) {
+          const Layer& l = layers[i];
+          tm_step::linear_phase(l.qkv, s.a_hidden, T, s.qkv, w);
+          tm_step::rope_store_phase(*this, s, cp, snp, sp, l.k_cache, l.v_cache, w);
+          tm_attention::Args la = args;
+          la.k = l.k_cache;
+          la.v = l.v_cache;
+          tm_step::attention_phase(*this, s, la, attend, plan, w);
+          tm_step::linear_phase(l.o, s.a_attn, T, s.delta, w);
+          tm_fused::add_rms_norm_rows_avx512(xp, s.delta, l.post_norm, hidden, e, s.h, w.r0, w.r1);
+          tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
+          if (l.moe < 0) {
+            tm_step::mlp_phase(*this, s, l.gate_up, l.down, T, w, silu_mul);
+          } else {
+            tm_moe::ffn<kTerms>(moe_blocks[l.moe], moe_scratch, s.h, s.a_hidden, hidden, s.delta, w.tid, w.team);
+            w.sync();
+          }
+          const bool last = i + 1 == L;
+          tm_fused::add_rms_norm_rows_avx512(xp, s.delta, last ? final_norm : layers[i + 1].input_norm, hidden, e,
+                                             last ? op : s.h, w.r0, w.r1);
+          tm_step::quantize_phase(s.h, hidden, s.a_hidden, w, !last);
         }
-        const bool last = i + 1 == L;
-        tm_fused::add_rms_norm_rows_avx512(xp, s.delta, last ? final_norm : layers[i + 1].input_norm, hidden, e,
-                                           last ? op : s.h, w.r0, w.r1);
-        tm_step::quantize_phase(s.h, hidden, s.a_hidden, w, !last);
       }
     }
     logs.finish(barrier);
     return out;
+  }
+
+  // The layers of a one-row step with every thread holding the row (decode_row_phases.h): 5
+  // barriers a layer (qkv, attention, o, gate_up, down; a MoE block's 2 for the last two).
+  void run_row(tm_step::RowCopy& r, tm_step::Scratch& s, tm_moe::Scratch& moe_scratch, const tm_attention::Args& args,
+               tm_attention::RangeFn attend, const float* cos, const float* sin, int64_t slot,
+               const tm_attention::Plan& plan, float* x, float* out, Worker& w) {
+    const float e = static_cast<float>(eps);
+    const auto silu_mul = [](const float* gu, int64_t n, float* o, int64_t t0, int64_t t1) {
+      tm_fused::silu_mul_rows_avx512(gu, n, o, t0, t1);
+    };
+    tm_fused::add_rms_norm_rows_avx512(r.x, s.zero, layers[0].input_norm, hidden, e, r.h, 0, r.rows);
+    tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
+    const int64_t L = static_cast<int64_t>(layers.size());
+    const std::vector<int> owners = tm_step::kv_owners(*this, layers[0].qkv, w.team);  // every layer's split
+    const int* early = owners.empty() ? nullptr : owners.data();
+    const auto no_norm = [](float*) {};
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& l = layers[i];
+      tm_step::row_qkv_phase(*this, s, r, l.qkv, early, cos, sin, slot, l.k_cache, l.v_cache, w, no_norm);
+      tm_attention::Args la = args;
+      la.k = l.k_cache;
+      la.v = l.v_cache;
+      tm_step::row_attention_phase(*this, s, r, s.qkv, cos, sin, slot, la, attend, plan, early != nullptr, w);
+      tm_step::linear_phase(l.o, r.a_attn, r.rows, s.delta, w);
+      tm_fused::add_rms_norm_rows_avx512(r.x, s.delta, l.post_norm, hidden, e, r.h, 0, r.rows);
+      tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
+      if (l.moe < 0) {
+        tm_step::row_mlp_phase(*this, s, r, l.gate_up, l.down, w, silu_mul);
+      } else {
+        tm_moe::ffn<kTerms>(moe_blocks[l.moe], moe_scratch, r.h, r.a_hidden, hidden, s.delta, w.tid, w.team);
+        w.sync();
+      }
+      const bool last = i + 1 == L;
+      tm_fused::add_rms_norm_rows_avx512(r.x, s.delta, last ? final_norm : layers[i + 1].input_norm, hidden, e, r.h,
+                                         0, r.rows);
+      if (!last) tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
+    }
+    tm_step::row_output(*this, r, x, out, w);
   }
 };
 

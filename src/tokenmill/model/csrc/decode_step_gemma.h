@@ -215,45 +215,105 @@ struct GemmaDecodeStack : tm_step::StackBase {
     const int64_t rope_tables = static_cast<int64_t>(cos.size());
     tm_step::StepLogs logs(barrier, nt);
 
+    bool row_mode = T == 1;
+    for (const auto& [key, plan] : plans) row_mode = row_mode && tm_step::one_row(T, plan);
+    const at::Tensor copies = at::empty({row_mode ? nt * tm_step::row_copy_floats(*this) : 0}, x.options());
+    std::vector<tm_attention::Args> layer_args(L);
+    for (int64_t i = 0; i < L; ++i) {
+      tm_attention::Args& la = layer_args[i];
+      la = tm_attention::make_args(*layer_plans[i], s.q, s.attn, s.partial, layer_tables[i], lens.data_ptr<int64_t>(),
+                                   max_pages[i], page_size, nq, nkv, hd, static_cast<float>(scale),
+                                   num_slots * row_elems, row_elems);
+      la.k = layers[i].k_cache;
+      la.v = layers[i].v_cache;
+      la.window = layers[i].window;
+      la.softcap = static_cast<float>(softcap);
+    }
+
 #pragma omp parallel num_threads(nt)
     {
       Worker w(T, scores_size, nq / nkv * hd, barrier, logs.logs);
-      for (int64_t t = w.r0; t < w.r1; ++t) std::memcpy(s.h + t * hidden, xp + t * hidden, hidden * sizeof(float));
-      rms_norm_inplace(s.h + w.r0 * hidden, w.r1 - w.r0, hidden, hidden, layers[0].norms[0], e);
-      tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
-      for (int64_t i = 0; i < L; ++i) {
-        const GemmaLayer& l = layers[i];
-        tm_step::linear_phase(l.qkv, s.a_hidden, T, s.qkv, w);
-        if (l.q_norm != nullptr) {
-          for (int64_t t = w.r0; t < w.r1; ++t) {
-            rms_norm_inplace(s.qkv + t * qkv_n, nq, hd, hd, l.q_norm, e);
-            rms_norm_inplace(s.qkv + t * qkv_n + nq * hd, nkv, hd, hd, l.k_norm, e);
-          }
-        }
-        const int64_t rp = std::min(l.rope, rope_tables - 1);
-        tm_step::rope_store_phase(*this, s, cos[rp].data_ptr<float>(), sin[rp].data_ptr<float>(), layer_slots[i],
-                                  l.k_cache, l.v_cache, w);
-        const tm_attention::Plan& plan = *layer_plans[i];
-        tm_attention::Args la = tm_attention::make_args(plan, s.q, s.attn, s.partial, layer_tables[i],
-                                                        lens.data_ptr<int64_t>(), max_pages[i], page_size, nq, nkv,
-                                                        hd, static_cast<float>(scale), num_slots * row_elems, row_elems);
-        la.k = l.k_cache;
-        la.v = l.v_cache;
-        la.window = l.window;
-        la.softcap = static_cast<float>(softcap);
-        tm_step::attention_phase(*this, s, la, attend, plan, w);
-        tm_step::linear_phase(l.o, s.a_attn, T, s.delta, w);
-        add_normed_rows(xp, s.delta, l.norms[1], l.norms[2], hidden, e, s.h, w.r0, w.r1);
+      if (row_mode) {
+        tm_step::RowCopy r = tm_step::make_row_copy(*this, copies.data_ptr<float>(), w.tid, xp, T);
+        run_row(r, s, layer_args, layer_plans, layer_slots, cos, sin, xp, op, w);
+      } else {
+        for (int64_t t = w.r0; t < w.r1; ++t) std::memcpy(s.h + t * hidden, xp + t * hidden, hidden * sizeof(float));
+        rms_norm_inplace(s.h + w.r0 * hidden, w.r1 - w.r0, hidden, hidden, layers[0].norms[0], e);
         tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
-        tm_step::mlp_phase(*this, s, l.gate_up, l.down, T, w, gelu_tanh_mul_rows);
-        const bool last = i + 1 == L;
-        add_normed_rows(xp, s.delta, l.norms[3], last ? final_norm : layers[i + 1].norms[0], hidden, e,
-                        last ? op : s.h, w.r0, w.r1);
-        tm_step::quantize_phase(s.h, hidden, s.a_hidden, w, !last);
+        for (int64_t i = 0; i < L; ++i) {
+          const GemmaLayer& l = layers[i];
+          tm_step::linear_phase(l.qkv, s.a_hidden, T, s.qkv, w);
+          if (l.q_norm != nullptr) {
+            for (int64_t t = w.r0; t < w.r1; ++t) {
+              rms_norm_inplace(s.qkv + t * qkv_n, nq, hd, hd, l.q_norm, e);
+              rms_norm_inplace(s.qkv + t * qkv_n + nq * hd, nkv, hd, hd, l.k_norm, e);
+            }
+          }
+          const int64_t rp = std::min(l.rope, rope_tables - 1);
+          tm_step::rope_store_phase(*this, s, cos[rp].data_ptr<float>(), sin[rp].data_ptr<float>(), layer_slots[i],
+                                    l.k_cache, l.v_cache, w);
+          tm_step::attention_phase(*this, s, layer_args[i], attend, *layer_plans[i], w);
+          tm_step::linear_phase(l.o, s.a_attn, T, s.delta, w);
+          add_normed_rows(xp, s.delta, l.norms[1], l.norms[2], hidden, e, s.h, w.r0, w.r1);
+          tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
+          tm_step::mlp_phase(*this, s, l.gate_up, l.down, T, w, gelu_tanh_mul_rows);
+          const bool last = i + 1 == L;
+          add_normed_rows(xp, s.delta, l.norms[3], last ? final_norm : layers[i + 1].norms[0], hidden, e,
+                          last ? op : s.h, w.r0, w.r1);
+          tm_step::quantize_phase(s.h, hidden, s.a_hidden, w, !last);
+        }
       }
     }
     logs.finish(barrier);
     return out;
+  }
+
+  // The layers of a one-row step with every thread holding the row (decode_row_phases.h): 5
+  // barriers a layer (qkv, attention, o, gate_up, down) instead of 10.
+  void run_row(tm_step::RowCopy& r, tm_step::Scratch& s, const std::vector<tm_attention::Args>& layer_args,
+               const std::vector<const tm_attention::Plan*>& layer_plans, const std::vector<const int64_t*>& layer_slots,
+               const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin, float* x,
+               float* out, Worker& w) {
+    const float e = static_cast<float>(eps);
+    const int64_t L = static_cast<int64_t>(layers.size()), qk_n = (nq + nkv) * hd;
+    const tm_attention::RangeFn attend = tm_attention::avx512_fns[cache_format];
+    std::memcpy(r.h, r.x, static_cast<size_t>(hidden) * sizeof(float));
+    rms_norm_inplace(r.h, r.rows, hidden, hidden, layers[0].norms[0], e);
+    tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
+    // x += norm(delta) and the next norm, from the copy's own copy of the shared delta (normed in place).
+    const auto add_delta = [&](const float* w_delta, const float* w_out) {
+      std::memcpy(r.delta, s.delta, static_cast<size_t>(hidden) * sizeof(float));
+      add_normed_rows(r.x, r.delta, w_delta, w_out, hidden, e, r.h, 0, r.rows);
+    };
+    const std::vector<int> owners = tm_step::kv_owners(*this, layers[0].qkv, w.team);  // every layer's split
+    const int* early = owners.empty() ? nullptr : owners.data();
+    for (int64_t i = 0; i < L; ++i) {
+      const GemmaLayer& l = layers[i];
+      const int64_t rp = std::min<int64_t>(l.rope, static_cast<int64_t>(cos.size()) - 1);
+      const float* c = cos[rp].data_ptr<float>();
+      const float* sn = sin[rp].data_ptr<float>();
+      const auto norm_k = [&](float* k) {
+        if (l.k_norm != nullptr) rms_norm_inplace(k, r.rows, hd, hd, l.k_norm, e);
+      };
+      tm_step::row_qkv_phase(*this, s, r, l.qkv, early, c, sn, layer_slots[i][0], l.k_cache, l.v_cache, w, norm_k);
+      const float* qk = s.qkv;
+      if (l.q_norm != nullptr) {
+        std::memcpy(r.qk, s.qkv, static_cast<size_t>(early ? nq * hd : qk_n) * sizeof(float));
+        rms_norm_inplace(r.qk, nq, hd, hd, l.q_norm, e);
+        if (early == nullptr) rms_norm_inplace(r.qk + nq * hd, nkv, hd, hd, l.k_norm, e);
+        qk = r.qk;
+      }
+      tm_step::row_attention_phase(*this, s, r, qk, c, sn, layer_slots[i][0], layer_args[i], attend, *layer_plans[i],
+                                   early != nullptr, w);
+      tm_step::linear_phase(l.o, r.a_attn, r.rows, s.delta, w);
+      add_delta(l.norms[1], l.norms[2]);
+      tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
+      tm_step::row_mlp_phase(*this, s, r, l.gate_up, l.down, w, gelu_tanh_mul_rows);
+      const bool last = i + 1 == L;
+      add_delta(l.norms[3], last ? final_norm : layers[i + 1].norms[0]);
+      if (!last) tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
+    }
+    tm_step::row_output(*this, r, x, out, w);
   }
 };
 
