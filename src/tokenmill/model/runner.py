@@ -186,6 +186,13 @@ class ModelRunner:
 
     def _group_meta(self, chunks: list[SeqChunk], decode: list[SeqChunk], pages_of: list[list[int]]) -> AttentionMetadata:
         """Block tables and slots for one KV group (`pages_of`: each chunk's pages in that group)."""
+        if chunks and len(decode) == len(chunks) and all(len(c.token_ids) == 1 for c in chunks):
+            return self._one_token_rows_meta(chunks, pages_of)
+        return self._mixed_rows_meta(chunks, decode, pages_of)
+
+    def _mixed_rows_meta(self, chunks: list[SeqChunk], decode: list[SeqChunk], pages_of: list[list[int]]) -> AttentionMetadata:
+        """_group_meta of any step: decode chunks (first, each of up to max_rows_as_decode tokens)
+        and prompt chunks."""
         size = self.page_size
         slot_parts: list[torch.Tensor] = []
         table = decode_mask = lengths = None
@@ -224,4 +231,23 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=prefills,
             decode_seq_lens=lengths,
+        )
+
+    def _one_token_rows_meta(self, chunks: list[SeqChunk], pages_of: list[list[int]]) -> AttentionMetadata:
+        """_group_meta of a step whose every chunk is one decode token (each batch-1 and most batched
+        decode steps): the same tensors from Python lists, without the general case's dozen small tensor
+        ops (~0.3 ms of a ~7 ms batch-1 step on the bundled model)."""
+        size = self.page_size
+        lengths = [c.start + 1 for c in chunks]  # the token at position start sees start + 1 positions
+        max_pages = -(-max(lengths) // size)
+        table = [p[:max_pages] + [0] * (max_pages - len(p[:max_pages])) for p in pages_of]
+        slots = [row[(n - 1) // size] * size + (n - 1) % size for row, n in zip(table, lengths)]
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            num_decode=len(chunks),
+            page_size=size,
+            decode_block_table=torch.tensor(table),
+            decode_mask=None,
+            prefills=[],
+            decode_seq_lens=torch.tensor(lengths),
         )
