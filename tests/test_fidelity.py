@@ -12,7 +12,7 @@ from tokenmill.sample.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 
 TEXT_PROMPTS = [
     "The history of the printing press begins",

@@ -77,7 +77,7 @@ def test_the_same_long_prompt_again_is_a_prefix_hit_with_windows_only(llm):
 
 def test_fast_agrees_with_exact_on_most_top1s():
     text = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
-    ids = load_tokenizer_files(gemma_weights().source).backend.encode(text[:6000]).ids[:700]
+    ids = load_tokenizer_files(gemma_weights().source).backend.encode(text[:6000]).ids[:620]
     assert len(ids) > 512 + 100
     logits = {}
     for precision in ("exact", "fast"):

@@ -40,8 +40,8 @@ def prompts_and_refs() -> dict[str, tuple[list[int], list[int] | None]]:
 
 
 def reference(prompt: list[int]) -> list[int]:
-    # test_fidelity's cases() holds 24-token references for these prompts when it already ran in
-    # this session; otherwise 16 tokens from transformers cost a fraction of computing all cases.
+    # test_fidelity's cases() holds references for these prompts when it already ran in this
+    # session; otherwise these three from transformers cost a fraction of computing all cases.
     if cases.cache_info().currsize:
         for case_prompt, ref in cases():
             if case_prompt == prompt:

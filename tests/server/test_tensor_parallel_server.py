@@ -72,7 +72,7 @@ def test_three_ranks_match_transformers_with_a_long_prompt_in_chunks(server, ref
     # Exact mode: the all-reduce sums partial products in another order, yet every token agrees.
     # Sent together, the long prompt's chunks share steps with the others' decode rows; 8 new tokens:
     # the first tokens of the long prompt are where chunked prefill over the group would show.
-    # (Whole 24-token runs: tests/test_fidelity.py on one rank.)
+    # (Whole 16-token runs of every prompt: tests/test_fidelity.py on one rank.)
     short, long_, chat = cases()[0], max(cases(), key=lambda c: len(c[0])), cases()[-1]
     with ThreadPoolExecutor(3) as pool:
         outs = list(pool.map(lambda c: complete(server, prompt=c[0], max_tokens=8, ignore_eos=True),
