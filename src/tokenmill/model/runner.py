@@ -208,7 +208,7 @@ class ModelRunner:
             starts = torch.repeat_interleave(torch.tensor([c.start for c in decode]), counts)
             lengths = starts + (torch.arange(nd) - first_rows) + 1
             max_pages = -(-max(c.start + len(c.token_ids) for c in decode) // size)
-            page_rows = [p[:max_pages] + [0] * (max_pages - len(p[:max_pages])) for p in pages_of[: len(decode)]]
+            page_rows = _block_table(pages_of[: len(decode)], max_pages)
             table = torch.tensor(page_rows).repeat_interleave(counts, dim=0)
             last = lengths - 1
             slot_parts.append(table[torch.arange(nd), last // size] * size + last % size)
@@ -240,7 +240,7 @@ class ModelRunner:
         size = self.page_size
         lengths = [c.start + 1 for c in chunks]  # the token at position start sees start + 1 positions
         max_pages = -(-max(lengths) // size)
-        table = [p[:max_pages] + [0] * (max_pages - len(p[:max_pages])) for p in pages_of]
+        table = _block_table(pages_of, max_pages)
         slots = [row[(n - 1) // size] * size + (n - 1) % size for row, n in zip(table, lengths)]
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots),
@@ -251,3 +251,8 @@ class ModelRunner:
             prefills=[],
             decode_seq_lens=torch.tensor(lengths),
         )
+
+
+def _block_table(pages_of: list[list[int]], max_pages: int) -> list[list[int]]:
+    """Each sequence's first `max_pages` pages, padded with page 0 (never read past a row's length)."""
+    return [p[:max_pages] + [0] * (max_pages - len(p[:max_pages])) for p in pages_of]
