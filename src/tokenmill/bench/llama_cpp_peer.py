@@ -82,10 +82,20 @@ def run_llama_bench(
         raise PeerError(f"cannot run {binary}: {exc}") from exc
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-10:])
-        raise PeerError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{tail}")
+        raise PeerError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{tail}{_crash_hint(proc.returncode)}")
     entries = _load_entries(proc.stdout)
     pp, tg = parse_llama_bench(entries, prompt_len, gen_len)
     return pp, tg, entries
+
+
+def _crash_hint(returncode: int) -> str:
+    """What to try when llama-bench died of a signal (a negative return code)."""
+    if returncode >= 0:
+        return ""
+    return (f"\nllama-bench was killed by signal {-returncode}. On CPUs with AMX, a native build of this "
+            "llama.cpp crashes in its AMX matmul (ggml-org/llama.cpp#20824: the tile configuration on the "
+            "stack is optimized away; docs/benchmarks.md says how the peer was patched); pass --llama-cpp "
+            "DIR for a build with that fix, or one built with -DGGML_NATIVE=OFF and AVX512 flags.")
 
 
 def _load_entries(text: str) -> list[dict]:
