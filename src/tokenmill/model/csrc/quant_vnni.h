@@ -207,12 +207,14 @@ TV_TARGET void tile(const Weights& w, const Acts& a, int64_t N, int64_t m0, int6
   const int32_t* nsum128 = a.nsum128 + m0 * Terms;
   const int32_t* hsum = a.hsum + m0 * Terms * 2;
   for (int64_t g = 0; g < G; ++g) {
-    // 2 kB ahead: with the weights streamed from memory, as in a real step, int4 layers ran ~15%
-    // faster at 1-2 rows. The int8 lm_head at 1-2 rows is bound by bandwidth alone and ran ~10%
-    // slower with it (from 3 rows, where compute has to overlap the reads, 1.5x faster at 8).
-    constexpr int kPrefetchLines = D::kBits != 8 || R > 2 ? kBytes / 64 : 0;
+    // Each group's codes are fetched ahead: with the weights streamed from memory, as in a real step,
+    // int4 layers ran ~15% faster at 1-2 rows with 2 kB. 8-bit codes go 4 kB ahead (8 groups): on a
+    // machine whose one core reads ~12 GB/s from memory (docs/benchmarks.md, session 9), the Q8_0
+    // mix's one-row step went from 4.4 to 3.3 ms with it; a Zen 4 had measured the int8 lm_head ~10%
+    // slower with 2 kB at 1-2 rows (from 3 rows, where compute has to overlap the reads, 1.5x faster).
+    constexpr int kPrefetchAhead = D::kBits == 8 ? 4096 : 2048;
 #pragma GCC unroll 8
-    for (int l = 0; l < kPrefetchLines; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + 2048 + l * 64), _MM_HINT_T0);
+    for (int l = 0; l < kBytes / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + kPrefetchAhead + l * 64), _MM_HINT_T0);
     __m512 sc[D::kSubs];
     D::scales(w, nb, g, sc);
     if constexpr (D::kSubs == 2 && R > 2) {
