@@ -208,11 +208,12 @@ TV_TARGET void tile(const Weights& w, const Acts& a, int64_t N, int64_t m0, int6
   const int32_t* hsum = a.hsum + m0 * Terms * 2;
   for (int64_t g = 0; g < G; ++g) {
     // Each group's codes are fetched ahead: with the weights streamed from memory, as in a real step,
-    // int4 layers ran ~15% faster at 1-2 rows with 2 kB. 8-bit codes go 4 kB ahead (8 groups): on a
-    // machine whose one core reads ~12 GB/s from memory (docs/benchmarks.md, session 9), the Q8_0
-    // mix's one-row step went from 4.4 to 3.3 ms with it; a Zen 4 had measured the int8 lm_head ~10%
-    // slower with 2 kB at 1-2 rows (from 3 rows, where compute has to overlap the reads, 1.5x faster).
-    constexpr int kPrefetchAhead = D::kBits == 8 ? 4096 : 2048;
+    // int4 layers ran ~15% faster at 1-2 rows with 2 kB, and 8-bit ones 1.5x faster at 8 rows (where
+    // compute has to overlap the reads). 8-bit codes at 1-2 rows go 4 kB ahead: on a machine whose
+    // one core reads ~12 GB/s from memory (docs/benchmarks.md, session 9) the Q8_0 mix's one-row step
+    // went from 4.4 to 3.3 ms and Gemma's 168 MB lm_head from ~9.8 to 7.5 ms; a Zen 4 had measured
+    // the int8 lm_head ~10% slower with 2 kB there, and 4 kB measured no better at 16-64 rows.
+    constexpr int kPrefetchAhead = D::kBits == 8 && R <= 2 ? 4096 : 2048;
 #pragma GCC unroll 8
     for (int l = 0; l < kBytes / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + kPrefetchAhead + l * 64), _MM_HINT_T0);
     __m512 sc[D::kSubs];
