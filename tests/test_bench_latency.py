@@ -66,30 +66,22 @@ def test_binary_lookup_takes_a_checkout_or_the_newest_default_build(tmp_path, mo
     assert "llama.cpp-0.3.36" in find_binary("llama-bench")
 
 
+def _run_fake_llama_bench(tmp_path, body: str) -> None:
+    script = tmp_path / "llama-bench"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    run_llama_bench(str(script), "m.gguf", 512, 128, 2, 1)
+
+
 def test_failed_llama_bench_run_shows_its_error(tmp_path):
-    script = tmp_path / "llama-bench"
-    script.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 3\n")
-    script.chmod(0o755)
-    with pytest.raises(PeerError, match="exited with 3:\nerror: failed to load model"):
-        run_llama_bench(str(script), "m.gguf", 512, 128, 2, 1)
-
-
-def test_a_llama_bench_killed_by_a_signal_gets_a_hint_about_amx(tmp_path):
-    script = tmp_path / "llama-bench"
-    script.write_text("#!/bin/sh\nkill -SEGV $$\n")
-    script.chmod(0o755)
-    with pytest.raises(PeerError, match="(?s)exited with -11:.*killed by signal 11.*AMX.*--llama-cpp DIR"):
-        run_llama_bench(str(script), "m.gguf", 512, 128, 2, 1)
-    with pytest.raises(PeerError) as exited:
-        _failing(tmp_path, 3)
+    with pytest.raises(PeerError, match="exited with 3:\nerror: failed to load model") as exited:
+        _run_fake_llama_bench(tmp_path, "echo 'error: failed to load model' >&2\nexit 3")
     assert "AMX" not in str(exited.value)  # an ordinary failure gets no hint
 
 
-def _failing(tmp_path, code: int) -> None:
-    script = tmp_path / "failing"
-    script.write_text(f"#!/bin/sh\nexit {code}\n")
-    script.chmod(0o755)
-    run_llama_bench(str(script), "m.gguf", 512, 128, 2, 1)
+def test_a_llama_bench_killed_by_a_signal_gets_a_hint_about_amx(tmp_path):
+    with pytest.raises(PeerError, match="(?s)exited with -11:.*killed by signal 11.*AMX.*--llama-cpp DIR"):
+        _run_fake_llama_bench(tmp_path, "kill -SEGV $$")
 
 
 def test_end_to_end_on_tiny_model(tmp_path, capsys):
