@@ -129,7 +129,7 @@ def test_blocked_topk_equals_topk(vocab: int, k: int) -> None:
     assert all(len(set(row)) == k for row in ids.tolist())
 
 
-@pytest.mark.parametrize("vocab", [300, 4096, 5000])
+@pytest.mark.parametrize("vocab", [300, 4096, 5000, 262_144 + 77])
 def test_fast_argmax_equals_argmax(vocab: int) -> None:
     from tokenmill.sample.logprobs import fast_argmax
 
@@ -139,5 +139,8 @@ def test_fast_argmax_equals_argmax(vocab: int) -> None:
     x[2, :] = float("-inf")
     x[3, 5] = float("nan")
     x[4, :] = 1.0
-    x[5, 64] = x[5, 65] = 9.0
-    assert torch.equal(fast_argmax(x), x.argmax(dim=-1))
+    x[5, 64] = x[5, 65] = x[5, vocab // 2] = 9.0  # ties in one block and in a later one
+    x[6, 63] = x[6, 64] = 9.0  # ties across a block boundary
+    assert torch.equal(fast_argmax(x), x.argmax(dim=-1))  # a NaN anywhere: argmax's own pass for all
+    finite = x[[0, 1, 2, 4, 5, 6, 7]]  # the blocked pass
+    assert torch.equal(fast_argmax(finite), finite.argmax(dim=-1))
