@@ -119,6 +119,11 @@ class EngineConfig:
     # in fp32, 0.75 GiB in int8, but the pool is allocated lazily (torch.empty): only pages ever
     # written are resident.
     kv_cache_tokens: int = 65536
+    # Or the pool's size in bytes (vLLM's --kv-cache-memory-bytes; per rank with tensor parallelism):
+    # when set, the pool holds as many pages as fit in these bytes in kv_cache_dtype's format, so int8
+    # K/V hold 1.88x the tokens of bf16, and it replaces kv_cache_tokens (the engine sets that to the
+    # tokens the bytes hold, once the model's shape is known: engine/factory.py).
+    kv_cache_memory_bytes: int | None = None
     # How K/V are stored (model/kv_cache_format.py): auto = bf16 in fast mode, fp32 in exact; int8 =
     # a scale per token and KV head, 1.88x the tokens of bf16 in the same bytes (fast mode only).
     kv_cache_dtype: str = "auto"
@@ -178,6 +183,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}", param=name)
+        if self.kv_cache_memory_bytes is not None and (
+                not isinstance(self.kv_cache_memory_bytes, int) or isinstance(self.kv_cache_memory_bytes, bool)
+                or self.kv_cache_memory_bytes < 1):
+            raise InvalidRequest(f"kv_cache_memory_bytes must be an integer >= 1, got {self.kv_cache_memory_bytes!r}",
+                                 param="kv_cache_memory_bytes")
         if self.kv_cache_tokens < self.page_size:
             raise InvalidRequest("kv_cache_tokens must hold at least one page", param="kv_cache_tokens")
         if self.precision not in PRECISIONS:

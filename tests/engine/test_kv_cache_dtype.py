@@ -96,3 +96,52 @@ def test_metrics_say_the_dtype_and_bytes():
     text = ServerMetrics(lambda: stats).render().decode()
     assert 'tokenmill:cache_config_info{cache_dtype="int8"} 1.0' in text
     assert "tokenmill:kv_cache_bytes_per_token 12240.0" in text
+
+
+def test_a_pool_sized_in_bytes_holds_the_tokens_its_format_fits(folder):
+    """`kv_cache_memory_bytes` (vLLM's --kv-cache-memory-bytes): the same bytes hold more tokens in int8
+    than in bf16 (by the rows' widths), and the engine's kv_cache_tokens becomes what the bytes hold (kv_cache_tokens given
+    beside it is replaced)."""
+    nbytes = 3_000_000
+    cores = {dtype: engine(folder, dtype, kv_cache_tokens=1024, kv_cache_memory_bytes=nbytes) for dtype in ("bf16", "int8")}
+    pages = {}
+    for dtype, core in cores.items():
+        page_bytes = core.runner.kv_bytes_per_token * 16
+        pages[dtype] = core.pool.num_pages
+        assert pages[dtype] == nbytes // page_bytes == core.runner.num_pages
+        assert core.config.kv_cache_tokens == pages[dtype] * 16 and core.stats()["kv_pages_total"] == pages[dtype]
+        held = sum(t.numel() * t.element_size() for layer in core.runner.kv_caches for t in layer)
+        assert nbytes - page_bytes < held <= nbytes, (dtype, held)
+    hd = cores["int8"].runner.model.config.head_dim  # a row: 2 hd bytes in bf16, hd + a 4-byte scale in int8
+    assert abs(pages["int8"] / pages["bf16"] - 2 * hd / (hd + 4)) < 0.01, (pages, hd)  # 1.88x at SmolLM2's 64
+    assert greedy(cores["int8"], PROMPTS[:2], 8) == greedy(engine(folder, "int8", kv_cache_tokens=pages["int8"] * 16),
+                                                            PROMPTS[:2], 8)
+    cores["int8"].check_integrity()
+
+
+def test_a_pool_too_small_for_one_page_is_refused_by_name(folder):
+    with pytest.raises(InvalidRequest, match=r"kv_cache_memory_bytes 1000 holds no KV page: one page of 16 tokens "
+                                             r"takes \d+ bytes in int8") as err:
+        engine(folder, "int8", kv_cache_memory_bytes=1000)
+    assert err.value.param == "kv_cache_memory_bytes"
+    for bad in (0, -5, "1G", True, 1.5):
+        with pytest.raises(InvalidRequest, match="kv_cache_memory_bytes must be an integer >= 1"):
+            EngineConfig(kv_cache_memory_bytes=bad)
+
+
+def test_byte_sizes_on_the_command_line():
+    import argparse
+
+    from tokenmill.entrypoints.engine_args import add_engine_args, byte_size, engine_kwargs
+
+    assert [byte_size(s) for s in ("1073741824", "2GiB", "500M", "1.5G", "10kb", "3 Ki", "7b")] == [
+        2**30, 2 * 2**30, 500 * 10**6, 1_500_000_000, 10_000, 3 * 1024, 7]
+    for bad in ("", "abc", "1.5", "2 GB extra", "-1G", "1Pi"):
+        with pytest.raises(argparse.ArgumentTypeError, match="bytes"):
+            byte_size(bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--kv-cache-memory-bytes", "2GiB", "--kv-cache-disk-bytes", "20G"]))
+    assert kwargs["kv_cache_memory_bytes"] == 2 * 2**30 and kwargs["kv_cache_disk_bytes"] == 20 * 10**9
+    assert engine_kwargs(parser.parse_args([]))["kv_cache_memory_bytes"] is None
+    assert EngineConfig(**engine_kwargs(parser.parse_args(["--kv-cache-memory-bytes", "1M"]))).kv_cache_memory_bytes == 10**6

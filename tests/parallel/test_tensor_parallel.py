@@ -47,8 +47,13 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, arch):
     one = LLM(folder, num_threads=1, **args)
     expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY)]
     vectors = one.embed(PROMPTS)
-    with LLM(folder, num_threads=2, tensor_parallel_size=2, **args) as two:
+    # qwen3's pool is sized in bytes: every rank works its pages out from its own heads, the same count.
+    sized = dict(args, kv_cache_memory_bytes=1_500_000) if arch == "qwen3" else args
+    with LLM(folder, num_threads=2, tensor_parallel_size=2, **sized) as two:
         assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY)] == expected
+        if arch == "qwen3":
+            stats = two.engine.stats()
+            assert stats["kv_pages_total"] == 1_500_000 // (stats["kv_cache_bytes_per_token"] * 16) > 0
         # embedding steps too (rank 0 pools, every rank runs the same forward)
         for got, ref in zip(two.embed(PROMPTS), vectors):
             assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-5

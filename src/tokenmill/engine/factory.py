@@ -4,6 +4,7 @@ with parallel/), its KV pool, the engine around it."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import time
@@ -32,8 +33,12 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         torch.set_num_threads(config.threads)
         built = build_model(config.model, config.precision, config.quantization, config.bf16_min_rows,
                             config.max_model_len, config.num_pages, config.page_size, kv_cache_dtype=config.kv_cache_dtype,
-                            hybrid_kv=config.hybrid_kv_cache, prompt_gemm=config.prompt_gemm)
+                            hybrid_kv=config.hybrid_kv_cache, prompt_gemm=config.prompt_gemm,
+                            kv_cache_memory_bytes=config.kv_cache_memory_bytes)
         runner = built.runner
+    if config.kv_cache_memory_bytes is not None:
+        # The bytes decided the pool: from here on (scheduler, draft model, stats) it is this many tokens.
+        config = dataclasses.replace(config, kv_cache_tokens=built.runner.num_pages * config.page_size)
     # Converting a GGUF leaves each matrix's transient copies (gate/up stacked, re-blocked in chunks)
     # as freed heap that glibc keeps: ~530 MB on a 964 MB MoE file of 1,500 expert matrices
     # (docs/benchmarks.md, "Mixture of experts"). Give it back once, ~20 ms.

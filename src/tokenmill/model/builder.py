@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from tokenmill.errors import InvalidRequest
 from tokenmill.kvcache.kv_groups import KVLayout
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.kv_cache_format import KVCacheFormat
@@ -49,12 +50,14 @@ class BuiltModel:
 def build_model(
     path: str | None, precision: str, quantization: str, bf16_min_rows: int, max_model_len: int | None,
     num_pages: int, page_size: int, shard: ModelShard | None = None, kv_cache_dtype: str = "auto",
-    hybrid_kv: bool = True, prompt_gemm: str = "auto",
+    hybrid_kv: bool = True, prompt_gemm: str = "auto", kv_cache_memory_bytes: int | None = None,
 ) -> BuiltModel:
     """Weights loaded, laid out for `precision` / `quantization`, and a runner with its KV tensors
     in `kv_cache_dtype`'s format (model/kv_cache_format.py). `hybrid_kv`: sliding-window layers get
     KV groups of their own (kvcache/kv_groups.py); False keeps every layer's KV for the whole context.
-    `prompt_gemm`: how quantized weights run prompt steps (EngineConfig.prompt_gemm)."""
+    `prompt_gemm`: how quantized weights run prompt steps (EngineConfig.prompt_gemm).
+    `kv_cache_memory_bytes`: when given, the pool holds the pages that fit in these bytes (in the
+    format, this rank's heads, the layout) instead of `num_pages`; runner.num_pages says how many."""
     loaded = load_weights(path)
     source = loaded.source
     mc = loaded.config
@@ -73,8 +76,21 @@ def build_model(
     # Fast mode attends prompts through the paged kernel too; exact keeps SDPA (transformers' numbers).
     as_rows = precision == "fast" and getattr(model, "prompts_as_decode_rows", True)
     layout = kv_layout_for(mc) if hybrid_kv else None
+    if kv_cache_memory_bytes is not None:
+        num_pages = pages_in_bytes(kv_cache_memory_bytes, ModelRunner.token_bytes(model, kv_format, layout),
+                                   page_size, kv_format.name)
     runner = ModelRunner(model, num_pages, page_size, kv_format, prefill_as_decode_rows=as_rows, kv_layout=layout)
     return BuiltModel(runner, mc, max_len, source)
+
+
+def pages_in_bytes(nbytes: int, token_bytes: int, page_size: int, format_name: str) -> int:
+    """Whole pages of `page_size` tokens at `token_bytes` each that fit in `nbytes`; InvalidRequest
+    naming the sizes when not even one does."""
+    page_bytes = token_bytes * page_size
+    if nbytes < page_bytes:
+        raise InvalidRequest(f"kv_cache_memory_bytes {nbytes} holds no KV page: one page of {page_size} tokens "
+                             f"takes {page_bytes} bytes in {format_name} for this model", param="kv_cache_memory_bytes")
+    return nbytes // page_bytes
 
 
 def kv_layout_for(config: ModelConfig) -> KVLayout:

@@ -65,9 +65,7 @@ class ModelRunner:
         self.kv_layout = kv_layout or KVLayout.single(c.num_layers)
         self._placement = self.kv_layout.placement()
         slots = self.kv_layout.slots_per_page
-        # What one token's slot costs in the pool (this rank's heads, every layer of a KV group, so all
-        # layers unless the layout is hybrid): stats and logs say it.
-        self.kv_bytes_per_token = kv_format.bytes_per_token(slots, c.num_kv_heads, c.head_dim)
+        self.kv_bytes_per_token = self.token_bytes(model, kv_format, self.kv_layout)
         num_slots = num_pages * page_size
         # torch.empty: untouched pages cost no resident memory, so a large pool is cheap until used.
         # But attention reads whole pages, including slots not yet written, and uninitialised memory
@@ -81,6 +79,14 @@ class ModelRunner:
         ]
         # Per layer (the models zip their layers with it); layer j of every group shares slot j.
         self.kv_caches = [self._kv_tensors[slot] for _, slot in self._placement]
+
+    @staticmethod
+    def token_bytes(model: LlamaForCausalLM, kv_format: KVCacheFormat, kv_layout: KVLayout | None = None) -> int:
+        """What one token's slot costs in the pool: this rank's KV heads, every layer of a KV group (so
+        all layers unless the layout is hybrid). Stats and logs say it; a pool sized in bytes divides by it."""
+        c: ModelConfig = model.config
+        slots = (kv_layout or KVLayout.single(c.num_layers)).slots_per_page
+        return kv_format.bytes_per_token(slots, c.num_kv_heads, c.head_dim)
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:

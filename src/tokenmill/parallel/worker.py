@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     built = build_model(config.model, config.precision, config.quantization, config.bf16_min_rows,
                         config.max_model_len, config.num_pages, config.page_size, TensorParallelShard(group),
                         kv_cache_dtype=config.kv_cache_dtype, hybrid_kv=config.hybrid_kv_cache,
-                        prompt_gemm=config.prompt_gemm)
+                        prompt_gemm=config.prompt_gemm, kv_cache_memory_bytes=config.kv_cache_memory_bytes)
     try:
         steps = serve_steps(built.runner, group)
     except RuntimeError as exc:  # rank 0 went away mid-collective (the engine process died)
