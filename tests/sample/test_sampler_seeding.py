@@ -137,10 +137,18 @@ def test_fast_argmax_equals_argmax(vocab: int) -> None:
     x[0, -1] = 50.0  # only in the ragged tail
     x[1, 7] = x[1, 300 % vocab - 1] = x[1, -1] = 60.0  # ties: the first wins
     x[2, :] = float("-inf")
-    x[3, 5] = float("nan")
+    x[3, 5] = x[3, 9] = float("nan")  # the first NaN, whatever the maximum
+    x[3, 7] = 1e30
     x[4, :] = 1.0
-    x[5, 64] = x[5, 65] = x[5, vocab // 2] = 9.0  # ties in one block and in a later one
-    x[6, 63] = x[6, 64] = 9.0  # ties across a block boundary
-    assert torch.equal(fast_argmax(x), x.argmax(dim=-1))  # a NaN anywhere: argmax's own pass for all
-    finite = x[[0, 1, 2, 4, 5, 6, 7]]  # the blocked pass
+    x[5, 64] = x[5, 65] = x[5, vocab // 2] = 9.0  # ties, near and far
+    x[6, 63] = x[6, 64] = 9.0
+    assert torch.equal(fast_argmax(x), x.argmax(dim=-1))
+    finite = x[[0, 1, 2, 4, 5, 6, 7]]
     assert torch.equal(fast_argmax(finite), finite.argmax(dim=-1))
+    for row in range(8):  # one row at a time, as a batch-1 decode step samples
+        assert torch.equal(fast_argmax(x[row : row + 1]), x[row : row + 1].argmax(dim=-1)), row
+    strided = x[:, ::3]
+    assert torch.equal(fast_argmax(strided), strided.argmax(dim=-1))
+    half = x.to(torch.bfloat16)  # not numpy's: torch's own argmax
+    assert torch.equal(fast_argmax(half), half.argmax(dim=-1))
+    assert fast_argmax(x).dtype == torch.int64

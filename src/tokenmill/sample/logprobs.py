@@ -93,20 +93,13 @@ def fast_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fast_argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1), first maximum on ties, ~3x faster on CPU: amax is vectorised there, argmax is not.
+    """x.argmax(-1): the first maximum on ties, the first NaN where a row has one (torch's rules).
 
-    The first block whose maximum is the row maximum holds the first maximal element.
+    On CPU through numpy, whose argmax is vectorised, where torch's is a scalar loop: measured (Zen 4)
+    one row of 49,152 logits 7 against 89 us, of 262,144 (Gemma 3) 27 against 417 us, 64 rows of
+    49,152 0.31 against 5.9 ms. It runs on the calling thread: torch's vectorised reductions (amax) are
+    parallel ops, and between decode steps the OpenMP threads sleep, so each would pay a wake-up.
     """
-    n, vocab = x.shape
-    blocks = vocab // _BLOCK
-    # One row: argmax's single pass beats the few ops below (49k logits: 44 vs 75 us).
-    if blocks < 4 or x.device.type != "cpu" or n == 1:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
         return x.argmax(dim=-1)
-    top = x.amax(dim=-1, keepdim=True)
-    if bool(torch.isnan(top).any()):  # argmax points at the NaN; keep that behaviour
-        return x.argmax(dim=-1)
-    body = x[:, : blocks * _BLOCK].reshape(n, blocks, _BLOCK)
-    first = (body.amax(dim=-1) == top).to(torch.uint8).argmax(dim=-1)  # 0 when only the tail holds it
-    seg = torch.cat([body[torch.arange(n, device=x.device), first], x[:, blocks * _BLOCK :]], dim=1)
-    pos = seg.argmax(dim=-1)
-    return torch.where(pos < _BLOCK, first * _BLOCK + pos, blocks * _BLOCK + pos - _BLOCK)
+    return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
