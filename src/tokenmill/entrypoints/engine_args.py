@@ -107,10 +107,10 @@ def byte_size(text: str) -> int:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ("kv_cache_tokens", "kv_cache_memory_bytes", "kv_cache_dtype", "page_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-            "precision", "quantization", "prompt_gemm", "num_threads", "seed", "enable_prefix_caching",
-            "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "scheduling_policy",
-            "kv_cache_dir", "kv_cache_disk_bytes")
+    keys = ("kv_cache_tokens", "kv_cache_memory_bytes", "kv_cache_dtype", "page_size", "max_num_batched_tokens",
+            "max_num_seqs", "max_model_len", "precision", "quantization", "prompt_gemm", "num_threads", "seed",
+            "enable_prefix_caching", "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port",
+            "scheduling_policy", "kv_cache_dir", "kv_cache_disk_bytes")
     kwargs = {k: getattr(args, k) for k in keys}
     if getattr(args, "speculative_method", None):
         model = args.speculative_model
