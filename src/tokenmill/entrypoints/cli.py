@@ -9,7 +9,7 @@ import os
 import sys
 
 from tokenmill.config import LOAD_BALANCE_METHODS, DataParallelConfig, EngineConfig
-from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
+from tokenmill.entrypoints.engine_args import add_engine_args, byte_size, engine_kwargs
 from tokenmill.errors import TokenmillError
 
 
@@ -170,15 +170,6 @@ def _serve_models(args: argparse.Namespace) -> int:
         return 0
 
 
-def _memory_size(text: str) -> int:
-    from tokenmill.frontend.model_router import parse_memory
-
-    try:
-        return parse_memory(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _chat_template_text(value: str) -> str:
     from tokenmill.frontend.chat_template import load_chat_template
 
@@ -269,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve every GGUF file and model folder in DIR (with any --model given too)")
     g.add_argument("--max-loaded-models", type=_positive_int, default=None, metavar="N",
                    help="at most N models loaded at once: the least recently used idle one unloads first")
-    g.add_argument("--max-memory", type=_memory_size, default=None, metavar="SIZE",
+    g.add_argument("--max-memory", type=byte_size, default=None, metavar="SIZE",
                    help="loaded models' resident memory bound (e.g. 8G): least recently used idle ones unload")
     g.add_argument("--idle-unload-seconds", type=_non_negative_float, default=None, metavar="S",
                    help="unload a model S seconds after its last request finished (default: never)")

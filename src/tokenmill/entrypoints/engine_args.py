@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 
 from tokenmill.config import (
     KV_CACHE_DTYPES,
@@ -31,9 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
         g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
     g.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens, help="KV pool size in tokens")
     g.add_argument("--kv-cache-memory-bytes", type=byte_size, default=None, metavar="N",
-                   help="KV pool size in bytes instead (per rank; e.g. 2GiB or 500M): as many tokens as fit "
-                        "in --kv-cache-dtype's format, so int8 holds 1.88x the tokens of bf16; replaces "
-                        "--kv-cache-tokens")
+                   help="KV pool size in bytes instead (per rank; e.g. 2G or 500M, powers of 1024): as many "
+                        "tokens as fit in --kv-cache-dtype's format, so int8 holds 1.88x the tokens of bf16; "
+                        "replaces --kv-cache-tokens")
     g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=d.kv_cache_dtype,
                    help="how K/V are stored: auto (bf16 in fast mode, fp32 in exact), bf16, fp32, or int8 "
                         "(a scale per token and head: 1.88x the tokens of bf16 in the same bytes; fast only)")
@@ -64,7 +63,7 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
                    help="the prefix cache's disk tier: cached KV pages are also written here and read back "
                         "instead of recomputed, also after a restart (default: none)")
     g.add_argument("--kv-cache-disk-bytes", type=byte_size, default=d.kv_cache_disk_bytes, metavar="N",
-                   help="bound of --kv-cache-dir in bytes (e.g. 20GiB), least recently used pages out (default: 4 GiB)")
+                   help="bound of --kv-cache-dir in bytes (e.g. 20G), least recently used pages out (default: 4 GiB)")
     g = parser.add_argument_group("tensor parallelism (torch.distributed; flags as torchrun's)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="split heads, MLP and vocabulary over this many ranks (must divide the heads, KV heads "
@@ -90,20 +89,15 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
                    help="no speculation in steps with this many running requests")
 
 
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
 def byte_size(text: str) -> int:
-    """A size in bytes: an integer, or one with a unit as vLLM and Kubernetes write them (500M, 2GiB,
-    1.5G; K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024; a trailing B is optional)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (write e.g. 1073741824, 500M or 2GiB)")
-    number, unit = match.groups()
-    value = float(number) * _UNITS[(unit or "").lower()]
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes")
-    return int(value)
+    """argparse's type for a size in bytes (8G, 512M, 1.5GiB or a number; powers of 1024, as
+    `--max-memory` reads them: frontend/model_router.py `parse_memory`)."""
+    from tokenmill.frontend.model_router import parse_memory
+
+    try:
+        return parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
