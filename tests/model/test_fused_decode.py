@@ -167,3 +167,27 @@ def test_large_steps_keep_activations_in_bf16_with_the_same_results(fast_runner)
     ref = runner.execute(chunk)
     torch.testing.assert_close(got, ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+
+
+def test_a_mix_keeps_bf16_activations_in_the_layers_that_take_them(tmp_path):
+    """A mix with one 8-bit matrix (a Q8_0 down_proj in layer 1 of a Q4_1 file, as llama-quantize's
+    IQ4_XS keeps Q5_K in a few layers) keeps bf16 activations in the other layers' prompt steps,
+    and the one layer converts around its GEMMs: the same numbers as float32 activations
+    everywhere."""
+    folder = make_tiny_model(tmp_path, "llama", tokenizer=False, hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=3)
+    mix = write_tiny_gguf(folder, tmp_path / "mix.gguf",
+                          quant=lambda name: "Q8_0" if name == "model.layers.1.mlp.down_proj.weight" else "Q4_1")
+    config = EngineConfig(model=str(mix), precision="fast", num_threads=2, kv_cache_tokens=512)
+    runner = build_engine_core(config).runner
+    model = runner.model
+    assert model.bf16_rows == BLOCKED_DENSE_MIN_ROWS
+    assert model.bf16_layers == [True, False, True]
+    assert any("bf16 activations" in line and "in 2 of 3 layers" in line for line in model.describe())
+    prompt = ids(model.bf16_rows + 20, 9)
+    chunk = [SeqChunk(prompt, 0, list(range(0, 16)), sample=True, all_logits=True)]
+    got = runner.execute(chunk)
+    model.bf16_rows = None  # float32 activations, each GEMM converting its input and output
+    ref = runner.execute(chunk)
+    torch.testing.assert_close(got, ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95

@@ -128,6 +128,12 @@ class DecoderLayer:
         return self.mlp_fused(h)
 
 
+def _bf16_start(layer: DecoderLayer) -> int | None:
+    """From how many rows every linear of `layer` takes and gives bf16 (None: some never does)."""
+    starts = {part.bf16_from_rows if isinstance(part, QuantizedLinear) else None for part in layer.linears()}
+    return starts.pop() if len(starts) == 1 else None
+
+
 class LlamaForCausalLM:
     def __init__(
         self,
@@ -155,10 +161,13 @@ class LlamaForCausalLM:
         self.fused = self.fused and isinstance(self.attention, TorchPagedAttention)  # fp32 caches it writes
         # Decode steps of the fast path as one C++ call over all layers (model/fused_decode.py).
         self.fused_decode = self.fused and FusedDecodeStack.supports(self)
-        # Steps of at least this many rows keep the linears' activations in bf16 (None: never).
-        starts = {part.bf16_from_rows if isinstance(part, QuantizedLinear) else None
-                  for layer in self.layers for part in layer.linears()}
-        self.bf16_rows = starts.pop() if self.fused and len(starts) == 1 else None
+        # Steps of at least this many rows keep the linears' activations in bf16 (None: never), in
+        # the layers whose linears all run bf16 GEMMs there: a mix (a Q5_K ffn_down in 3 of 30 IQ4_XS
+        # layers) keeps the others' activations bf16 instead of converting around every GEMM.
+        starts = [_bf16_start(layer) for layer in self.layers]
+        common = {start for start in starts if start is not None}
+        self.bf16_rows = common.pop() if self.fused and len(common) == 1 else None
+        self.bf16_layers = [start is not None for start in starts]
         self._decode_stack: FusedDecodeStack | None = None
 
     def make_layer(self, config: ModelConfig, weights: dict, index: int, policy: LayerPolicy) -> DecoderLayer:
@@ -179,12 +188,13 @@ class LlamaForCausalLM:
         if self.fused:
             eps = self.config.rms_norm_eps
             bf16 = self.bf16_rows is not None and x.shape[0] >= self.bf16_rows
+            in_bf16 = [bf16 and layer_bf16 for layer_bf16 in self.bf16_layers] + [False]  # the last: hidden
             h = fused_rms_norm(x, self.layers[0].input_norm, eps)
-            h = h.to(torch.bfloat16) if bf16 else h
+            h = h.to(torch.bfloat16) if in_bf16[0] else h
             norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
             for i, (layer, (k_cache, v_cache), next_norm) in enumerate(zip(self.layers, kv_caches, norms)):
-                delta = layer.forward_fused(x, h, cos, sin, self.attention, k_cache, v_cache, meta, bf16)
-                h = fused_ops.add_rms_norm_(x, delta, next_norm, eps, bf16 and i + 1 < len(self.layers))
+                delta = layer.forward_fused(x, h, cos, sin, self.attention, k_cache, v_cache, meta, in_bf16[i])
+                h = fused_ops.add_rms_norm_(x, delta, next_norm, eps, in_bf16[i + 1])
             return h
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, self.attention, k_cache, v_cache, meta)
@@ -211,7 +221,8 @@ class LlamaForCausalLM:
             lines.append(f"steps of all decode rows (up to {FusedDecodeStack.MAX_ROWS}): one fused C++ call "
                          "over the layer stack")
         if self.bf16_rows is not None:
-            lines.append(f"steps of {self.bf16_rows}+ rows: bf16 activations between the GEMMs and the fused ops")
+            some = "" if all(self.bf16_layers) else f" in {sum(self.bf16_layers)} of {len(self.layers)} layers"
+            lines.append(f"steps of {self.bf16_rows}+ rows: bf16 activations between the GEMMs and the fused ops{some}")
         return lines
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
