@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_cpu_attention_kernel import CASES, RUN_CASES, make_case, make_runs, naive, torch_path
+from tests.test_cpu_attention_kernel import (
+    CASES,
+    RUN_CASES,
+    fp32_product_isas,
+    make_case,
+    make_runs,
+    naive,
+    torch_path,
+)
 from tests.tiny_models import make_tiny_model, write_tiny_gguf
 from tokenmill.config import EngineConfig
 from tokenmill.engine.factory import build_engine_core
@@ -65,7 +73,7 @@ def test_runs_of_rows_read_int8_rows(case):
     q, k8, v8, kf, vf, table, lens = int8_case((*case, len(case[0])), make_runs)
     page_size, hd = case[4], case[3]
     ref = naive(q, kf, vf, table, lens, page_size, hd**-0.5)
-    for isa in range(kernel.best_isa() + 1):
+    for isa in fp32_product_isas(torch.int8):
         out = kernel.paged_decode_attention(q, k8, v8, table, lens, page_size, hd**-0.5, isa=isa)
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, msg=lambda m, isa=isa: f"isa {isa}: {m}")
 

@@ -52,7 +52,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [nd] tokens of context of each row, including its own token
     page_size: int,
     scale: float,
-    isa: int = -1,  # tests: at most 0 baseline, 1 AVX2, 2 AVX-512; -1: the best the CPU has
+    isa: int = -1,  # tests: at most 0 baseline, 1 AVX2, 2 AVX-512, 3 AVX-512 + bf16 pairs in runs; -1: the best
     window: int | None = None,  # sliding window in tokens (None: none)
     softcap: float | None = None,  # scores capped as softcap * tanh(score / softcap) (None: none)
 ) -> torch.Tensor:  # [nd, num_heads, head_dim] float32
@@ -67,7 +67,8 @@ def paged_decode_attention(
 
 
 def best_isa() -> int:
-    """The variant the kernel runs on this CPU: 0 baseline x86-64 (or not x86), 1 AVX2, 2 AVX-512."""
+    """The variant the kernel runs on this CPU: 0 baseline x86-64 (or not x86), 1 AVX2, 2 AVX-512, 3 AVX-512
+    with AVX512-BF16 (runs over bf16 / int8 caches multiply bf16 pairs: csrc/paged_attention_pairs.h)."""
     if not available():
         raise RuntimeError("the CPU paged-attention kernel is not available")
     return torch.ops.tokenmill_cpu.best_isa()

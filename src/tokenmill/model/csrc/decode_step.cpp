@@ -180,9 +180,8 @@ struct DecodeStack : tm_step::StackBase {
         tm_attention::make_args(plan, s.q, s.attn, s.partial, table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                 table.size(1), page_size, nq, nkv, hd, static_cast<float>(scale),
                                 num_slots * row_elems, row_elems);
-    // The AVX-512 variant only (the constructor checked for it): the others are then never compiled
-    // into this library, which keeps its build short.
-    const tm_attention::RangeFn attend = tm_attention::avx512_fns[cache_format];
+    // An AVX-512 variant (the constructor checked for AVX-512), the op's own choice.
+    const tm_attention::RangeFn attend = tm_attention::pick_avx512(isa, cache_format);
     const float e = static_cast<float>(eps);
     const int64_t L = static_cast<int64_t>(layers.size());
     const auto silu_mul = [](const float* gu, int64_t n, float* o, int64_t t0, int64_t t1) {

@@ -210,7 +210,7 @@ struct GemmaDecodeStack : tm_step::StackBase {
     float* xp = x.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t row_elems = tm_kv::row_width(cache_format, hd);
-    const tm_attention::RangeFn attend = tm_attention::avx512_fns[cache_format];
+    const tm_attention::RangeFn attend = tm_attention::pick_avx512(tm_attention::selected_isa(-1), cache_format);
     const float e = static_cast<float>(eps);
     const int64_t rope_tables = static_cast<int64_t>(cos.size());
     tm_step::StepLogs logs(barrier, nt);
@@ -276,7 +276,7 @@ struct GemmaDecodeStack : tm_step::StackBase {
                float* out, Worker& w) {
     const float e = static_cast<float>(eps);
     const int64_t L = static_cast<int64_t>(layers.size()), qk_n = (nq + nkv) * hd;
-    const tm_attention::RangeFn attend = tm_attention::avx512_fns[cache_format];
+    const tm_attention::RangeFn attend = tm_attention::pick_avx512(tm_attention::selected_isa(-1), cache_format);
     std::memcpy(r.h, r.x, static_cast<size_t>(hidden) * sizeof(float));
     rms_norm_inplace(r.h, r.rows, hidden, hidden, layers[0].norms[0], e);
     tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);

@@ -21,7 +21,7 @@ TM_INLINE void attend_row(const Args& a, int64_t seq, int64_t kvh, float* scores
   }
 }
 
-template <typename R, int W>
+template <typename R, int W, bool Pairs>
 TM_INLINE void attend_range(const Args& a, int64_t begin, int64_t end, float* scores, float* acc) {
   for (int64_t i = begin; i < end; ++i) {
     const int64_t* item = a.items + i * kItemFields;
@@ -31,34 +31,37 @@ TM_INLINE void attend_range(const Args& a, int64_t begin, int64_t end, float* sc
       continue;
     }
     float* partial = parts > 1 ? a.partial + item[5] : nullptr;
-    if (a.hd == 64) attend_run_items<R, 64, W>(a, seq, rows, kvh, part, parts, partial, scores);
-    else if (a.hd == 128) attend_run_items<R, 128, W>(a, seq, rows, kvh, part, parts, partial, scores);
-    else attend_run_items<R, 256, W>(a, seq, rows, kvh, part, parts, partial, scores);
+    if (a.hd == 64) attend_run_items<R, 64, W, Pairs>(a, seq, rows, kvh, part, parts, partial, scores);
+    else if (a.hd == 128) attend_run_items<R, 128, W, Pairs>(a, seq, rows, kvh, part, parts, partial, scores);
+    else attend_run_items<R, 256, W, Pairs>(a, seq, rows, kvh, part, parts, partial, scores);
   }
 }
 
 using RangeFn = void (*)(const Args&, int64_t, int64_t, float*, float*);
 
 // One entry per ISA variant: a table of attend_range per cache format (tm_kv::CacheFormat order).
-#define TM_DEFINE_VARIANT(NAME, W, ATTR)                                                              \
+// PAIRS: runs over bf16 / int8 caches multiply bf16 pairs (paged_attention_pairs.h).
+#define TM_DEFINE_VARIANT(NAME, W, PAIRS, ATTR)                                                       \
   template <typename R>                                                                               \
   ATTR void NAME##_range(const Args& a, int64_t b, int64_t e, float* s, float* acc) {                 \
-    attend_range<R, W>(a, b, e, s, acc);                                                              \
+    attend_range<R, W, PAIRS>(a, b, e, s, acc);                                                       \
   }                                                                                                   \
   constexpr RangeFn NAME##_fns[] = {NAME##_range<F32Rows>, NAME##_range<Bf16Rows>, NAME##_range<Int8Rows>};
 
-TM_DEFINE_VARIANT(generic, 8, )
+TM_DEFINE_VARIANT(generic, 8, false, )
 #if defined(__GNUC__) && defined(__x86_64__)
 #define TM_HAVE_X86_VARIANTS 1
-TM_DEFINE_VARIANT(avx2, 8, __attribute__((target("arch=x86-64-v3"))))
-TM_DEFINE_VARIANT(avx512, 16, __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))))
+TM_DEFINE_VARIANT(avx2, 8, false, __attribute__((target("arch=x86-64-v3"))))
+TM_DEFINE_VARIANT(avx512, 16, false, __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))))
+TM_DEFINE_VARIANT(avx512bf16, 16, true, TM_PAIRS_TARGET)
 #endif
 
-enum Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 Isa detect_isa() {
 #ifdef TM_HAVE_X86_VARIANTS
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16")) return kAvx512Bf16;
   if (__builtin_cpu_supports("x86-64-v4")) return kAvx512;
   if (__builtin_cpu_supports("x86-64-v3")) return kAvx2;
 #endif
@@ -71,9 +74,18 @@ Isa selected_isa(int64_t requested) {
   return requested < 0 ? best : static_cast<Isa>(std::min<int64_t>(requested, best));
 }
 
+#ifdef TM_HAVE_X86_VARIANTS
+// The AVX-512 entries only: the fused decode steps (which need AVX-512) take theirs from here, so the
+// other variants are never compiled into their library, and a speculative run there gets the
+// products the op gives it (bf16 pairs where the CPU has AVX512-BF16).
+inline RangeFn pick_avx512(Isa isa, CacheFormat format) {
+  return isa == kAvx512Bf16 ? avx512bf16_fns[format] : avx512_fns[format];
+}
+#endif
+
 RangeFn pick(Isa isa, CacheFormat format) {
 #ifdef TM_HAVE_X86_VARIANTS
-  if (isa == kAvx512) return avx512_fns[format];
+  if (isa >= kAvx512) return pick_avx512(isa, format);
   if (isa == kAvx2) return avx2_fns[format];
 #endif
   return generic_fns[format];
@@ -177,7 +189,7 @@ inline Plan make_plan(const int64_t* table_ptr, const int64_t* lens_ptr, int64_t
   // query vectors over half a vector) is one item per KV head, or, when there are too few items to
   // keep the threads busy (one run of 3 KV heads on 2 threads), per KV head and part of its pages,
   // the parts merged below.
-  const int64_t lanes = chosen == kAvx512 ? 16 : 8;
+  const int64_t lanes = chosen >= kAvx512 ? 16 : 8;
   int64_t base_items = 0;
   for (int64_t u = 0; u < num_units; ++u) {
     const int64_t rows = units[2 * u + 1];

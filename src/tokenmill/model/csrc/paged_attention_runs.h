@@ -4,6 +4,7 @@
 // (kv_cache_rows.h), for head_dim 64, 128 and 256.
 
 #include "kv_cache_rows.h"
+#include "paged_attention_pairs.h"
 
 namespace tm_attention {
 namespace {
@@ -23,7 +24,9 @@ namespace {
 // Under a sliding window row r sees lo_r = first_visible(len0 + r) .. len0 + r - 1: the item covers
 // lo_0 .. lmax - 1 (pages before lo_0's are never touched), and positions some rows do not see (the
 // first and the last R - 1 or so) are masked lane by lane, like the lengths.
-template <typename Rd, int HD, int W>
+// With Pairs (the AVX512-BF16 variant) a bf16 or int8 cache's products are bf16 pairs
+// (paged_attention_pairs.h): the scores and the weighted sum of V, page by page; the rest is as here.
+template <typename Rd, int HD, int W, bool Pairs = false>
 TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t kvh, int64_t part, int64_t parts,
                                 float* __restrict partial, float* __restrict scratch) {
   using V = Vec<W>;
@@ -64,8 +67,15 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   float* __restrict accb = qt + HD * JP;  // [JP][HD]
   float* __restrict stat = accb + JP * HD;  // [2][JP]: max, then 1 / sum
   float* __restrict kbuf = stat + 2 * JP;  // [page_size][HD]
+  constexpr bool kPairs = Pairs && W == 16 && kPairReader<Rd>;
+  // Pairs: an int8 page's rows as bf16 pairs in kbuf's first half, V's interleaved rows in the
+  // rest, the page's row scales after it.
+  uint32_t* __restrict pair_buf = reinterpret_cast<uint32_t*>(kbuf);
+  uint32_t* __restrict vbuf = pair_buf + page_size * HD / 2;
+  float* __restrict row_scales = kbuf + (page_size + 1) * HD;
+  if constexpr (kPairs) pair_queries<HD>(a, row0, kvh, G, J, JP, reinterpret_cast<uint32_t*>(qt));
 
-  for (int64_t j = 0; j < JP; ++j) {
+  for (int64_t j = 0; j < JP && !kPairs; ++j) {
     const float* q = a.q + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
     for (int d = 0; d < HD; ++d) qt[d * JP + j] = j < J ? q[d] : 0.0f;
   }
@@ -83,6 +93,12 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     const int64_t first = p * page_size;  // relative to base
     const int64_t n = std::min(page_size, end - base - first);
     const int64_t t0 = std::max<int64_t>(0, start - base - first);
+    if constexpr (kPairs) {
+      int64_t stride = 0;
+      const uint32_t* rows = pair_rows<Rd, HD>(kbase + pages[p] * page_elems, slot_stride, t0, n, pair_buf, row_scales, stride);
+      pair_scores<HD>(rows, stride, row_scales, t0, n, reinterpret_cast<const uint32_t*>(qt), JP, JV, scale, st + first * JP);
+      continue;
+    }
     widen(kbase + pages[p] * page_elems, t0, n);
     for (int64_t jv = 0; jv < JV; ++jv) {
       const float* __restrict qv = qt + jv * W;
@@ -164,6 +180,12 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     const int64_t first = p * page_size;
     const int64_t n = std::min(page_size, end - base - first);
     const int64_t t0 = std::max<int64_t>(0, start - base - first);
+    if constexpr (kPairs) {
+      int64_t stride = 0;
+      const uint32_t* rows = pair_rows<Rd, HD>(vbase + pages[p] * page_elems, slot_stride, t0, n, pair_buf, row_scales, stride);
+      pair_weighted_sum<HD, JB, CB>(rows, stride, row_scales, t0, n, J, JP, JV, st + first * JP, vbuf, accb);
+      continue;
+    }
     widen(vbase + pages[p] * page_elems, t0, n);
     for (int64_t j0 = 0; j0 < J; j0 += JB) {
       for (int c0 = 0; c0 < NC; c0 += CB) {
@@ -203,7 +225,7 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
 // Scratch floats attend_run_items needs (for any W up to 16).
 inline int64_t run_scratch(int64_t rows, int64_t group, int64_t len_last, int64_t hd, int64_t page_size) {
   const int64_t jp = (rows * group + 15) / 16 * 16;
-  return jp * (len_last + 2 + 2 * hd) + page_size * hd;
+  return jp * (len_last + 2 + 2 * hd) + page_size * hd + hd + page_size;  // + the pair path's odd row and scales
 }
 
 }  // namespace
