@@ -5,7 +5,7 @@ sequence's pages into padded tensors first (see attention.py); for a large decod
 was most of a decode step.
 
 It is built and cached by model/kernels/cpp_build.py (once per machine, about half a minute). The
-kernel carries AVX-512, AVX2 and baseline variants and picks one at run time. When it cannot be
+kernel carries AVX-512 (with and without AVX512-BF16), AVX2 and baseline variants and picks one at run time. When it cannot be
 built or loaded, a warning is logged once and `available()` says False, so attention falls back to
 the PyTorch path. TOKENMILL_DISABLE_CPU_KERNEL=1 forces that fallback.
 """
