@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_cpu_attention_kernel import PAIRS_ISA, RUN_CASES, make_runs, naive
+from tests.test_cpu_attention_kernel import PAIRS_ISA, RUN_CASES, make_runs, naive, per_head
 from tokenmill.model import cpu_attention_kernel as kernel
 from tokenmill.model.kv_cache_format import INT8_SCALE_BYTES, KVCacheFormat
 
@@ -43,19 +43,13 @@ def naive_pairs(q, k_values, v_codes, v_scales, table, lens, page_size, scale):
     """The pair path's arithmetic in float64: scores from bf16(q) and the cache's K values; each
     weight times its V row's scale rounded to bf16, times the row's codes (a bf16 cache: scale 1,
     codes the values); the denominator the unrounded weights."""
-    nd, heads, hd = q.shape
-    group = heads // k_values.shape[0]
-    out = torch.empty(nd, heads, hd, dtype=torch.float64)
-    for row in range(nd):
-        pos = torch.arange(int(lens[row]))
-        slots = table[row, pos // page_size] * page_size + pos % page_size
-        for h in range(heads):
-            keys = k_values[h // group, slots].double()
-            scores = keys @ bf16(q[row, h]) * scale
-            weights = torch.exp(scores - scores.max())
-            rounded = bf16(weights * v_scales[h // group, slots].double())
-            out[row, h] = rounded @ v_codes[h // group, slots].double() / weights.sum()
-    return out
+    def attend(row, h, kvh, slots):
+        scores = k_values[kvh, slots].double() @ bf16(q[row, h]) * scale
+        weights = torch.exp(scores - scores.max())
+        rounded = bf16(weights * v_scales[kvh, slots].double())
+        return rounded @ v_codes[kvh, slots].double() / weights.sum()
+
+    return per_head(q, k_values.shape[0], table, lens, page_size, attend)
 
 
 def check(runs, kv_heads, group, head_dim, page_size, q, k_cache, v_cache, table, lens, k_values, v_codes, v_scales):

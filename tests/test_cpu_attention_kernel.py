@@ -51,19 +51,30 @@ def make_case(lengths, kv_heads, group, head_dim, page_size, seed=0, dtype=torch
     return q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.long)
 
 
-def naive(q, k_cache, v_cache, table, lens, page_size, scale):
+def row_slots(table, lens, row, page_size):
+    """The cache slots of row `row`'s positions 0 .. lens[row] - 1, in order."""
+    pos = torch.arange(int(lens[row]))
+    return table[row, pos // page_size] * page_size + pos % page_size
+
+
+def per_head(q, kv_heads, table, lens, page_size, attend):
+    """float64 [rows, heads, head_dim]: attend(row, head, its KV head, the row's cache slots)."""
     nd, heads, hd = q.shape
-    group = heads // k_cache.shape[0]
+    group = heads // kv_heads
     out = torch.empty(nd, heads, hd, dtype=torch.float64)
     for row in range(nd):
-        pos = torch.arange(int(lens[row]))
-        slots = table[row, pos // page_size] * page_size + pos % page_size
+        slots = row_slots(table, lens, row, page_size)
         for h in range(heads):
-            keys = k_cache[h // group, slots].double()
-            values = v_cache[h // group, slots].double()
-            probs = torch.softmax(keys @ q[row, h].double() * scale, dim=0)
-            out[row, h] = probs @ values
+            out[row, h] = attend(row, h, h // group, slots)
     return out
+
+
+def naive(q, k_cache, v_cache, table, lens, page_size, scale):
+    def attend(row, h, kvh, slots):
+        probs = torch.softmax(k_cache[kvh, slots].double() @ q[row, h].double() * scale, dim=0)
+        return probs @ v_cache[kvh, slots].double()
+
+    return per_head(q, k_cache.shape[0], table, lens, page_size, attend)
 
 
 def torch_path(q, k_cache, v_cache, table, lens, page_size):
