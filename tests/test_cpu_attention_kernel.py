@@ -95,6 +95,8 @@ CASES = [
     ([1, 12, 20, 13], 2, 2, 16, 4),  # the tiny test models' head_dim
     ([3, 9, 10, 24], 2, 3, 32, 3),  # qwen3 tiny: head_dim 32, odd page size
     ([130, 1, 64], 2, 4, 128, 16),  # head_dim 128
+    ([1, 16, 300], 1, 4, 256, 16),  # Gemma 3: head_dim 256 (two passes of 2 heads), one KV head
+    ([40, 7], 1, 3, 256, 16),  # head_dim 256 with a pass of 1 head
     ([1, 17, 40, 300], 2, 2, 64, 16),  # group 2 (the grouped path's other sizes)
     ([1, 17, 40, 200], 1, 6, 64, 16),  # group 6: no compile-time group, the per-head loops
     ([1, 5, 33, 64], 2, 3, 24, 8),  # a head_dim with no vector branch: plain loops

@@ -64,7 +64,8 @@ def test_decode_rows_read_int8_rows(case):
     torch.testing.assert_close(torch_path(q, k8, v8, table, lens, page_size).double(), ref, atol=1e-5, rtol=1e-5)
     # and against the unquantized cache the difference is int8 rounding: small next to the values
     exact = naive(q, *make_case(*case)[1:3], table, lens, page_size, hd**-0.5)
-    assert (ref - exact).abs().max() < 0.05
+    # (a score sums head_dim rounded products: its error grows as the square root of head_dim)
+    assert (ref - exact).abs().max() < 0.05 * (hd / 64) ** 0.5
 
 
 @needs_kernel

@@ -15,6 +15,7 @@ TM_INLINE void attend_row(const Args& a, int64_t seq, int64_t kvh, float* scores
   switch (a.hd) {
     case 64: attend_one_vec<R, 64, W>(a, seq, kvh, scores); break;
     case 128: attend_one_vec<R, 128, W>(a, seq, kvh, scores); break;
+    case 256: attend_one_vec<R, 256, W>(a, seq, kvh, scores); break;
     case 32: attend_one_vec<R, 32, W>(a, seq, kvh, scores); break;
     case 16: attend_one_vec<R, 16, W>(a, seq, kvh, scores); break;
     default: attend_one_scalar<R>(a, seq, kvh, scores, acc);  // any other head_dim: plain loops

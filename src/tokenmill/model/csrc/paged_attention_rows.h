@@ -1,7 +1,7 @@
 #pragma once
 // Paged decode attention, one row of one sequence per work item (paged_attention_common.h has the
-// layout and the helpers): a vector skeleton for head_dim 16/32/64/128 and a plain-loop one for any
-// other, each written once over a cache reader R (kv_cache_rows.h).
+// layout and the helpers): a vector skeleton for head_dim 16/32/64/128/256 and a plain-loop one for
+// any other, each written once over a cache reader R (kv_cache_rows.h).
 
 #include "kv_cache_rows.h"
 
@@ -181,18 +181,20 @@ TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0,
 }
 
 // A whole group through attend_heads: up to 4 heads a pass (more would spill the query registers),
-// so a group of 6 is two passes of 3 over the rows instead of six of one.
+// so a group of 6 is two passes of 3 over the rows instead of six of one. At head_dim 256 (Gemma 3)
+// a head's query alone is 16 AVX-512 registers: 2 heads a pass.
 template <typename R, int HD, int W>
 TM_INLINE void attend_one_vec(const Args& a, int64_t seq, int64_t kvh, float* scores) {
+  constexpr int64_t kMaxHeads = HD >= 256 ? 2 : 4;
   const int64_t group = a.group;
-  const int64_t passes = (group + 3) / 4;
+  const int64_t passes = (group + kMaxHeads - 1) / kMaxHeads;
   for (int64_t pass = 0; pass < passes; ++pass) {
     const int64_t h0 = group * pass / passes, heads = group * (pass + 1) / passes - h0;
     switch (heads) {
       case 1: attend_heads<R, HD, W, 1>(a, seq, kvh, h0, scores); break;
       case 2: attend_heads<R, HD, W, 2>(a, seq, kvh, h0, scores); break;
-      case 3: attend_heads<R, HD, W, 3>(a, seq, kvh, h0, scores); break;
-      default: attend_heads<R, HD, W, 4>(a, seq, kvh, h0, scores); break;
+      case 3: if constexpr (kMaxHeads >= 3) attend_heads<R, HD, W, 3>(a, seq, kvh, h0, scores); break;
+      default: if constexpr (kMaxHeads >= 4) attend_heads<R, HD, W, 4>(a, seq, kvh, h0, scores); break;
     }
   }
 }
