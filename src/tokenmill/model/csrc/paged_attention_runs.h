@@ -73,11 +73,13 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   uint32_t* __restrict pair_buf = reinterpret_cast<uint32_t*>(kbuf);
   uint32_t* __restrict vbuf = pair_buf + page_size * HD / 2;
   float* __restrict row_scales = kbuf + (page_size + 1) * HD;
-  if constexpr (kPairs) pair_queries<HD>(a, row0, kvh, G, J, JP, reinterpret_cast<uint32_t*>(qt));
-
-  for (int64_t j = 0; j < JP && !kPairs; ++j) {
-    const float* q = a.q + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
-    for (int d = 0; d < HD; ++d) qt[d * JP + j] = j < J ? q[d] : 0.0f;
+  if constexpr (kPairs) {
+    pair_queries<HD>(a, row0, kvh, G, J, JP, reinterpret_cast<uint32_t*>(qt));
+  } else {
+    for (int64_t j = 0; j < JP; ++j) {
+      const float* q = a.q + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
+      for (int d = 0; d < HD; ++d) qt[d * JP + j] = j < J ? q[d] : 0.0f;
+    }
   }
 
   auto widen = [&](const E* src, int64_t t0, int64_t n) {  // the page's rows t0..n-1 as fp32, [n][HD]
