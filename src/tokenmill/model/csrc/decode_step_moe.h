@@ -198,8 +198,8 @@ inline tm_vnni::Weights from_block(const tm_vnni::Weights& w, int64_t nb) {
 // the row stride inside a group stays M).
 template <int Terms>
 inline tm_vnni::Acts rows_from(const tm_vnni::Acts& a, int64_t m0) {
-  return tm_vnni::Acts{a.xq + m0 * Terms * tm_vnni::kGroup, a.dx + m0 * Terms, a.qsum + m0, a.nsum128 + m0 * Terms,
-                       a.hsum + m0 * Terms * 2, a.hqsum + m0 * 2, a.M};
+  return tm_vnni::Acts{a.xq + m0 * Terms * tm_vnni::kGroup, a.dx + m0 * Terms, a.qsum + m0,
+                       a.msum + m0 * tm_vnni::kMergedSums, a.hqsum + m0 * 2, a.M};
 }
 
 // Groups [g0, g1) of row m of a G-group row rounded into a (x: the row's values from group g0), by
@@ -211,8 +211,8 @@ TV_TARGET inline void quantize_span(const float* x, int64_t G, int64_t g0, int64
   const int64_t M = a.M;
   for (int64_t g = g0; g < g1;) {
     const int64_t at = g * M + m;
-    const tm_vnni::GroupOut o{a.xq + at * Terms * kGroup, a.dx + at * Terms, a.qsum + at, a.nsum128 + at * Terms,
-                              a.hsum + at * Terms * 2, a.hqsum + at * 2};
+    const tm_vnni::GroupOut o{a.xq + at * Terms * kGroup, a.dx + at * Terms, a.qsum + at,
+                              a.msum + at * tm_vnni::kMergedSums, a.hqsum + at * 2};
     const float* src = x + (g - g0) * kGroup;
     if (g + 4 <= G) {
       tm_vnni::quantize4<Terms>(src, o, M);
@@ -235,8 +235,8 @@ inline void gather_rows(const tm_vnni::Acts& src, const int64_t* token, int64_t 
       std::memcpy(dst.xq + o * Terms * tm_vnni::kGroup, src.xq + i * Terms * tm_vnni::kGroup, Terms * tm_vnni::kGroup);
       std::memcpy(dst.dx + o * Terms, src.dx + i * Terms, Terms * sizeof(float));
       dst.qsum[o] = src.qsum[i];
-      std::memcpy(dst.nsum128 + o * Terms, src.nsum128 + i * Terms, Terms * sizeof(int32_t));
-      std::memcpy(dst.hsum + o * Terms * 2, src.hsum + i * Terms * 2, Terms * 2 * sizeof(int32_t));
+      std::memcpy(dst.msum + o * tm_vnni::kMergedSums, src.msum + i * tm_vnni::kMergedSums,
+                  tm_vnni::kMergedSums * sizeof(int32_t));
       std::memcpy(dst.hqsum + o * 2, src.hqsum + i * 2, 2 * sizeof(float));
     }
   }

@@ -20,19 +20,23 @@ struct Acts {
   int8_t* xq;        // [G, M, terms, 32] rounded activations (term 2: the residual of term 1)
   float* dx;         // [G, M, terms] scale per group and term
   float* qsum;       // [G, M] sum over terms of dx * sum of the group's rounded values (min term)
-  int32_t* nsum128;  // [G, M, terms] -128 * sum of the group's rounded values (int8 weights' offset)
-  int32_t* hsum;     // [G, M, terms, 2] sums of the rounded values of each half (16 inputs) of the group
+  // [G, M, 3] the rounded values' sums over the group, its first half and its second half (16 inputs
+  // each), the terms merged as the kernels merge their dot products (256 S1 + S2 with two terms): a
+  // code offset k costs a dot product -k * msum, which a tile starts its last term's sum from.
+  int32_t* msum;
   float* hqsum;      // [G, M, 2] qsum of each half (the min term of sub-blocks of 16)
   int64_t M;
 };
+
+// Ints of msum per group and row.
+constexpr int64_t kMergedSums = 3;
 
 // Where the numbers of one group and row go.
 struct GroupOut {
   int8_t* xq;
   float* dx;
   float* qsum;
-  int32_t* nsum128;
-  int32_t* hsum;
+  int32_t* msum;
   float* hqsum;
 };
 
@@ -50,6 +54,7 @@ TV_TARGET TV_INLINE __m512i clamp_i8(__m512i q) {
 // One group (32 values in lo, hi) rounded to `terms` int8 terms: the reference for quantize4.
 TV_TARGET TV_INLINE void quantize1(__m512 lo, __m512 hi, int terms, const GroupOut& o) {
   float total_sum = 0.f, half_sum[2] = {0.f, 0.f};
+  int32_t merged[kMergedSums] = {0, 0, 0};
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
   float inv_s = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
   for (int t = 0; t < terms; ++t) {
@@ -70,9 +75,9 @@ TV_TARGET TV_INLINE void quantize1(__m512 lo, __m512 hi, int terms, const GroupO
     total_sum = std::fma(scale, static_cast<float>(total), total_sum);
     half_sum[0] = std::fma(scale, static_cast<float>(first), half_sum[0]);
     half_sum[1] = std::fma(scale, static_cast<float>(second), half_sum[1]);
-    o.nsum128[t] = -128 * total;
-    o.hsum[2 * t] = first;
-    o.hsum[2 * t + 1] = second;
+    merged[0] = merged[0] * static_cast<int32_t>(kFineSteps) + total;
+    merged[1] = merged[1] * static_cast<int32_t>(kFineSteps) + first;
+    merged[2] = merged[2] * static_cast<int32_t>(kFineSteps) + second;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(o.xq + t * kGroup), _mm512_cvtsepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(o.xq + t * kGroup + 16), _mm512_cvtsepi32_epi8(qhi));
     // what this term left out, for the next one
@@ -81,6 +86,7 @@ TV_TARGET TV_INLINE void quantize1(__m512 lo, __m512 hi, int terms, const GroupO
     hi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), s, hi);
   }
   *o.qsum = total_sum;
+  for (int i = 0; i < kMergedSums; ++i) o.msum[i] = merged[i];
   o.hqsum[0] = half_sum[0];
   o.hqsum[1] = half_sum[1];
 }
@@ -160,12 +166,14 @@ TV_TARGET TV_INLINE void quantize4(const float* src, const GroupOut& o, int64_t 
   _mm512_store_ps(sums[1], first_sum);
   _mm512_store_ps(sums[2], second_sum);
   for (int i = 0; i < 4; ++i) {
+    int32_t* merged = o.msum + i * stride * kMergedSums;
+    merged[0] = merged[1] = merged[2] = 0;
     for (int t = 0; t < Terms; ++t) {
-      const int64_t at = i * stride * Terms + t;
-      o.dx[at] = scales[t][4 * i];
-      o.nsum128[at] = -128 * totals[t][4 * i];
-      o.hsum[2 * at] = firsts[t][4 * i];
-      o.hsum[2 * at + 1] = totals[t][4 * i] - firsts[t][4 * i];
+      o.dx[i * stride * Terms + t] = scales[t][4 * i];
+      const int32_t total = totals[t][4 * i], first = firsts[t][4 * i];
+      merged[0] = merged[0] * static_cast<int32_t>(kFineSteps) + total;
+      merged[1] = merged[1] * static_cast<int32_t>(kFineSteps) + first;
+      merged[2] = merged[2] * static_cast<int32_t>(kFineSteps) + (total - first);
     }
     o.qsum[i * stride] = sums[0][4 * i];
     o.hqsum[2 * i * stride] = sums[1][4 * i];
@@ -180,8 +188,8 @@ TV_TARGET void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, 
   for (int64_t m = m0; m < m1; ++m) {
     for (int64_t g = 0; g < G;) {
       const int64_t at = g * M + m;  // record of (g, m); the next group's is M records on
-      const GroupOut o{a.xq + at * Terms * kGroup, a.dx + at * Terms, a.qsum + at, a.nsum128 + at * Terms,
-                       a.hsum + at * Terms * 2, a.hqsum + at * 2};
+      const GroupOut o{a.xq + at * Terms * kGroup, a.dx + at * Terms, a.qsum + at, a.msum + at * kMergedSums,
+                       a.hqsum + at * 2};
       if (g + 4 <= G) {
         quantize4<Terms>(x + m * K + g * kGroup, o, M);
         g += 4;
@@ -196,7 +204,7 @@ TV_TARGET void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, 
 // Floats of scratch that M rows of K activations take once rounded, in `terms` int8 terms.
 inline int64_t acts_floats(int64_t M, int64_t K, int64_t terms) {
   const int64_t groups = M * (K / kGroup);
-  return groups * (4 * terms + 3) + (M * terms * K + 3) / 4;
+  return groups * (terms + 3 + kMergedSums) + (M * terms * K + 3) / 4;
 }
 
 // The Acts of M rows of K activations laid out in `base` (acts_floats(M, K, terms) floats).
@@ -205,10 +213,9 @@ inline Acts make_acts(float* base, int64_t M, int64_t K, int64_t terms) {
   float* dx = base;
   float* qsum = dx + groups * terms;
   float* hqsum = qsum + groups;
-  int32_t* nsum128 = reinterpret_cast<int32_t*>(hqsum + 2 * groups);
-  int32_t* hsum = nsum128 + groups * terms;
-  int8_t* xq = reinterpret_cast<int8_t*>(hsum + 2 * groups * terms);
-  return Acts{xq, dx, qsum, nsum128, hsum, hqsum, M};
+  int32_t* msum = reinterpret_cast<int32_t*>(hqsum + 2 * groups);
+  int8_t* xq = reinterpret_cast<int8_t*>(msum + kMergedSums * groups);
+  return Acts{xq, dx, qsum, msum, hqsum, M};
 }
 
 }  // namespace

@@ -63,14 +63,15 @@ TV_TARGET TV_INLINE __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// The starting value of a row's int32 sum over (half h of) a group: -kOffset * the sum of the rounded
-// activations, so that codes stored + kOffset need no subtraction (0 for formats without offset).
+// The starting value of row r's int32 sum of term t over (half h of) a group, so that codes stored
+// + kOffset need no subtraction: -kOffset * the rounded activations' merged sum (quant_acts.h msum),
+// on the last term, whose sum the merge takes as it is (0 for formats without offset). One value a
+// row, read as it lies: working it out from per-term sums in the tile cost Q5_0 / Q6_K prompts ~15%.
 template <class D, int Terms>
-TV_INLINE int32_t offset_start(const Acts& a, const int32_t* nsum128, const int32_t* hsum, int r, int t, int h) {
+TV_INLINE int32_t offset_start(const int32_t* msum, int r, int t, int h) {
   if constexpr (D::kOffset == 0) return 0;
-  else if constexpr (D::kSubs == 1 && D::kOffset == 128) return nsum128[r * Terms + t];
-  else if constexpr (D::kSubs == 1) return -D::kOffset * (hsum[(r * Terms + t) * 2] + hsum[(r * Terms + t) * 2 + 1]);
-  else return -D::kOffset * hsum[(r * Terms + t) * 2 + h];
+  else if (t != Terms - 1) return 0;
+  else return -D::kOffset * msum[r * kMergedSums + (D::kSubs == 1 ? 0 : 1 + h)];
 }
 
 // Quads j (lo) and j + 4 (hi) of a group times R rows' activations, into the rows' int32 sums.
@@ -121,13 +122,13 @@ TV_TARGET TV_INLINE void half_quad_rows(__m512i (&dot)[R][Terms], const uint8_t*
 // the other formats, where both halves at once (a second set of sums) allowed 4: each unpacked code
 // then feeds 8 rows' vpdpbusd instead of 4, for a second load of the group's codes from L1.
 template <class D, int R, int Terms, int H>
-TV_TARGET TV_INLINE void half_tile(const uint8_t* codes, const int8_t* xq, const Acts& a, const int32_t* nsum128,
-                                   const int32_t* hsum, const float* dx, __m512 sc, __m512 (&acc)[R]) {
+TV_TARGET TV_INLINE void half_tile(const uint8_t* codes, const int8_t* xq, const int32_t* msum, const float* dx,
+                                   __m512 sc, __m512 (&acc)[R]) {
   __m512i dot[R][Terms];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-    for (int t = 0; t < Terms; ++t) dot[r][t] = _mm512_set1_epi32(offset_start<D, Terms>(a, nsum128, hsum, r, t, H));
+    for (int t = 0; t < Terms; ++t) dot[r][t] = _mm512_set1_epi32(offset_start<D, Terms>(msum, r, t, H));
   half_quad_rows<D, R, Terms, H, 0>(dot, codes, xq);
   half_quad_rows<D, R, Terms, H, 1>(dot, codes, xq);
   half_quad_rows<D, R, Terms, H, 2>(dot, codes, xq);
@@ -142,9 +143,8 @@ TV_TARGET TV_INLINE void half_tile(const uint8_t* codes, const int8_t* xq, const
 // One group of R rows with both halves' codes unpacked at once (quads j and j + 4): every format at
 // 1-2 rows, and the formats with one sub-block a group at any rows.
 template <class D, int R, int Terms>
-TV_TARGET TV_INLINE void pair_tile(const uint8_t* codes, const int8_t* xq, const Acts& a, const int32_t* nsum128,
-                                   const int32_t* hsum, const float* dx, const __m512 (&sc)[D::kSubs],
-                                   __m512 (&acc)[R]) {
+TV_TARGET TV_INLINE void pair_tile(const uint8_t* codes, const int8_t* xq, const int32_t* msum, const float* dx,
+                                   const __m512 (&sc)[D::kSubs], __m512 (&acc)[R]) {
   // With few rows the sums are chains of dependent vpdpbusd (8 a group and term): a second set of
   // sums (quads 4..7) halves the chains; with more rows the rows give the independence, and the
   // registers are needed for them. Two sub-blocks a group need the second set anyway.
@@ -154,8 +154,8 @@ TV_TARGET TV_INLINE void pair_tile(const uint8_t* codes, const int8_t* xq, const
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int t = 0; t < Terms; ++t) {
-      dot[r][t] = _mm512_set1_epi32(offset_start<D, Terms>(a, nsum128, hsum, r, t, 0));
-      dot2[r][t] = D::kSubs == 2 ? _mm512_set1_epi32(offset_start<D, Terms>(a, nsum128, hsum, r, t, 1))
+      dot[r][t] = _mm512_set1_epi32(offset_start<D, Terms>(msum, r, t, 0));
+      dot2[r][t] = D::kSubs == 2 ? _mm512_set1_epi32(offset_start<D, Terms>(msum, r, t, 1))
                                  : _mm512_setzero_si512();
     }
   {
@@ -204,8 +204,7 @@ TV_TARGET void tile(const Weights& w, const Acts& a, int64_t N, int64_t m0, int6
   const float* dx = a.dx + m0 * Terms;
   const float* qsum = a.qsum + m0;
   const float* hqsum = a.hqsum + m0 * 2;
-  const int32_t* nsum128 = a.nsum128 + m0 * Terms;
-  const int32_t* hsum = a.hsum + m0 * Terms * 2;
+  const int32_t* msum = a.msum + m0 * kMergedSums;
   for (int64_t g = 0; g < G; ++g) {
     // Each group's codes are fetched ahead: with the weights streamed from memory, as in a real step,
     // int4 layers ran ~15% faster at 1-2 rows with 2 kB, and 8-bit ones 1.5x faster at 8 rows (where
@@ -219,10 +218,10 @@ TV_TARGET void tile(const Weights& w, const Acts& a, int64_t N, int64_t m0, int6
     __m512 sc[D::kSubs];
     D::scales(w, nb, g, sc);
     if constexpr (D::kSubs == 2 && R > 2) {
-      half_tile<D, R, Terms, 0>(codes, xq, a, nsum128, hsum, dx, sc[0], acc);
-      half_tile<D, R, Terms, 1>(codes, xq, a, nsum128, hsum, dx, sc[1], acc);
+      half_tile<D, R, Terms, 0>(codes, xq, msum, dx, sc[0], acc);
+      half_tile<D, R, Terms, 1>(codes, xq, msum, dx, sc[1], acc);
     } else {
-      pair_tile<D, R, Terms>(codes, xq, a, nsum128, hsum, dx, sc, acc);
+      pair_tile<D, R, Terms>(codes, xq, msum, dx, sc, acc);
     }
     if (has_min) {
       __m512 mn[D::kSubs];
@@ -239,8 +238,7 @@ TV_TARGET void tile(const Weights& w, const Acts& a, int64_t N, int64_t m0, int6
     dx += M * Terms;
     qsum += M;
     hqsum += M * 2;
-    nsum128 += M * Terms;
-    hsum += M * Terms * 2;
+    msum += M * kMergedSums;
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + nb * kCols, acc[r]);
