@@ -26,19 +26,24 @@ namespace {
 template <typename Rd>
 constexpr bool kPairReader = !std::is_same_v<Rd, F32Rows>;
 
-TM_INLINE uint32_t bf16_bits(float x) {  // round to nearest even (values here are finite)
-  const uint32_t u = std::bit_cast<uint32_t>(x);
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-
-// q of the run's J query vectors as pairs: qp[dp * JP + j] = bf16(q_j[2 dp]) | bf16(q_j[2 dp + 1]) << 16.
+// q of the run's J query vectors as pairs: qp[dp * JP + j] = bf16(q_j[2 dp]) | bf16(q_j[2 dp + 1]) << 16
+// (rounded to nearest even: adjacent floats converted together are such pairs as they lie). Each
+// vector is converted 16 values at a time, then its pairs stored down their column of qp.
 template <int HD>
-TM_INLINE void pair_queries(const Args& a, int64_t row0, int64_t kvh, int64_t G, int64_t J, int64_t JP,
-                            uint32_t* __restrict qp) {
+TM_PAIRS_TARGET void pair_queries(const Args& a, int64_t row0, int64_t kvh, int64_t G, int64_t J, int64_t JP,
+                                  uint32_t* __restrict qp) {
+  alignas(64) uint32_t pairs[HD / 2];
   for (int64_t j = 0; j < JP; ++j) {
+    if (j >= J) {
+      for (int dp = 0; dp < HD / 2; ++dp) qp[dp * JP + j] = 0u;
+      continue;
+    }
     const float* q = a.q + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
-    for (int dp = 0; dp < HD / 2; ++dp)
-      qp[dp * JP + j] = j < J ? bf16_bits(q[2 * dp]) | bf16_bits(q[2 * dp + 1]) << 16 : 0u;
+    for (int c = 0; c < HD / 16; ++c) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(q + 16 * c));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs + 8 * c), reinterpret_cast<const __m256i&>(h));
+    }
+    for (int dp = 0; dp < HD / 2; ++dp) qp[dp * JP + j] = pairs[dp];
   }
 }
 

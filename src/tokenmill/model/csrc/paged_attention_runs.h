@@ -131,10 +131,14 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   float* __restrict sum = stat + JP;
   const int64_t full_lo = std::max(start, first_visible(lmax, window));
   const int64_t full_hi = std::max(full_lo, std::min(end, len0));
-  auto sees = [&](int64_t j, int64_t t) {  // row j / G (pad lanes: as if further rows) sees position t
-    const int64_t len = len0 + j / G;
-    return t < len && t >= first_visible(len, window);
+  // f(j, len) for each lane j and the length of its row, j / G (pad lanes: as if further rows), with no
+  // division in the loop: the edges run it for ~2 R positions of every item, and an integer division a
+  // lane and position cost as much as the item's softmax.
+  auto lanes = [&](auto&& f) {
+    for (int64_t j0 = 0, len = len0; j0 < JP; j0 += G, ++len)
+      for (int64_t j = j0; j < std::min(JP, j0 + G); ++j) f(j, len);
   };
+  auto sees = [&](int64_t len, int64_t t) { return t < len && t >= first_visible(len, window); };
   auto edges = [&](auto&& f) {  // f(t) for the positions outside [full_lo, full_hi)
     for (int64_t t = start; t < std::min(full_lo, end); ++t) f(t);
     for (int64_t t = full_hi; t < end; ++t) f(t);
@@ -149,8 +153,9 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   }
   edges([&](int64_t t) {
     const float* __restrict s = st + (t - base) * JP;
-    for (int64_t j = 0; j < JP; ++j)
-      if (sees(j, t)) stat[j] = s[j] > stat[j] ? s[j] : stat[j];
+    lanes([&](int64_t j, int64_t len) {
+      if (sees(len, t)) stat[j] = s[j] > stat[j] ? s[j] : stat[j];
+    });
   });
   for (int64_t jv = 0; jv < JV; ++jv) {
     const V m = loadv<W>(stat + jv * W);
@@ -165,14 +170,14 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   }
   edges([&](int64_t t) {
     float* __restrict s = st + (t - base) * JP;
-    for (int64_t j = 0; j < JP; ++j) {
-      if (!sees(j, t)) {
+    lanes([&](int64_t j, int64_t len) {
+      if (!sees(len, t)) {
         s[j] = 0.0f;
-        continue;
+        return;
       }
       s[j] = exp_nonpos(s[j] - stat[j]);
       sum[j] += s[j];
-    }
+    });
   });
 
   std::fill(accb, accb + JP * HD, 0.0f);
