@@ -47,6 +47,49 @@ TM_PAIRS_TARGET void pair_queries(const Args& a, int64_t row0, int64_t kvh, int6
   }
 }
 
+// exp(v - m) (v <= m) for the pair path's softmax, 13 operations a vector against exp_nonpos's ~20,
+// as accurate (relative ~1e-7: the weights are rounded to bf16 next, and an exp less exact than that
+// rounds more of them the other way at a boundary): x = v - m is split as k ln2 + r (k = round(x
+// log2 e), r by Cody-Waite's two constants), e^r by its Taylor polynomial to degree 6 (|r| <= ln2 / 2:
+// error < 1e-7), and vscalefps multiplies by 2^k (0 far below the maximum: no clamp, no exponent bits).
+TM_PAIRS_TARGET inline __m512 pair_exp(__m512 v, __m512 m) {
+  const __m512 x = _mm512_sub_ps(v, m);
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, k);
+}
+
+// x[t * stride + lane] = exp(x - m[lane]) for n rows of 16 lanes, in place (pair_exp); returns the
+// lanes' sums, in two chains of additions. On SmolLM2's runs the exp pass was ~30 of ~175 cycles a
+// position and KV head.
+TM_PAIRS_TARGET __m512 pair_exp_rows(float* __restrict x, int64_t stride, int64_t n, __m512 m) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();  // two chains of additions, not one
+  int64_t t = 0;
+  for (; t + 2 <= n; t += 2) {
+    const __m512 e0 = pair_exp(_mm512_loadu_ps(x + t * stride), m);
+    const __m512 e1 = pair_exp(_mm512_loadu_ps(x + (t + 1) * stride), m);
+    _mm512_storeu_ps(x + t * stride, e0);
+    _mm512_storeu_ps(x + (t + 1) * stride, e1);
+    s0 = _mm512_add_ps(s0, e0);
+    s1 = _mm512_add_ps(s1, e1);
+  }
+  if (t < n) {
+    const __m512 e = pair_exp(_mm512_loadu_ps(x + t * stride), m);
+    _mm512_storeu_ps(x + t * stride, e);
+    s0 = _mm512_add_ps(s0, e);
+  }
+  return _mm512_add_ps(s0, s1);
+}
+
 // Rows t0..n-1 of a page as bf16 pairs, `stride` uint32 apart, and each row's scale: a bf16 cache's
 // rows in place (scale 1), an int8 cache's codes converted into buf ([page_size][HD / 2]).
 template <typename Rd, int HD>
@@ -72,32 +115,53 @@ TM_PAIRS_TARGET const uint32_t* pair_rows(const typename Rd::Elem* page, int64_t
   }
 }
 
-// st[t][j] = scale * scales[t] * q_j . k_t for the page's rows t0..n-1 (st: the page's first row).
+// Scores of TB positions (t..) times JB vectors of 16 query lanes (from qv): TB x JB independent sums,
+// each K value broadcast once for the JB vectors. A vdpbf16ps takes ~6 cycles to feed the next one of
+// its chain and two issue a cycle, so 8 chains (one vector of lanes at a time) kept the unit two thirds
+// busy; 16-24 keep it full, and a third of the broadcasts.
+template <int HD, int TB, int JB>
+TM_PAIRS_TARGET void pair_scores_tile(const uint32_t* __restrict rows, int64_t stride, const float* scales, int64_t t,
+                                      const uint32_t* __restrict qv, int64_t JP, float scale, float* __restrict st) {
+  __m512 acc[TB][JB];
+  for (int i = 0; i < TB; ++i)
+    for (int b = 0; b < JB; ++b) acc[i][b] = _mm512_setzero_ps();
+  for (int dp = 0; dp < HD / 2; ++dp) {
+    __m512bh x[JB];
+    for (int b = 0; b < JB; ++b) x[b] = (__m512bh)_mm512_loadu_si512(qv + dp * JP + 16 * b);
+    for (int i = 0; i < TB; ++i) {
+      const __m512bh k = (__m512bh)_mm512_set1_epi32(static_cast<int>(rows[(t + i) * stride + dp]));
+      for (int b = 0; b < JB; ++b) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], x[b], k);
+    }
+  }
+  for (int i = 0; i < TB; ++i) {
+    const __m512 sc = _mm512_set1_ps(scale * scales[t + i]);
+    for (int b = 0; b < JB; ++b) _mm512_storeu_ps(st + (t + i) * JP + 16 * b, _mm512_mul_ps(acc[i][b], sc));
+  }
+}
+
+// st[t][j] = scale * scales[t] * q_j . k_t for the page's rows t0..n-1 (st: the page's first row), in
+// tiles of 8 positions x up to 3 vectors of lanes (2 + 2 for 4: 16 sums, not 24 + 8 with a chain-bound
+// tail), the last positions one by one.
 template <int HD>
 TM_PAIRS_TARGET void pair_scores(const uint32_t* __restrict rows, int64_t stride, const float* scales,
-                                           int64_t t0, int64_t n, const uint32_t* __restrict qp, int64_t JP,
-                                           int64_t JV, float scale, float* __restrict st) {
-  for (int64_t jv = 0; jv < JV; ++jv) {
+                                 int64_t t0, int64_t n, const uint32_t* __restrict qp, int64_t JP, int64_t JV,
+                                 float scale, float* __restrict st) {
+  for (int64_t jv = 0; jv < JV;) {
+    const int64_t left = JV - jv, jb = left >= 3 && left != 4 ? 3 : std::min<int64_t>(left, 2);
     const uint32_t* qv = qp + jv * 16;
+    float* sv = st + jv * 16;
     int64_t t = t0;
     for (; t + 8 <= n; t += 8) {
-      __m512 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
-      for (int dp = 0; dp < HD / 2; ++dp) {
-        const __m512bh x = (__m512bh)_mm512_loadu_si512(qv + dp * JP);
-        for (int i = 0; i < 8; ++i)
-          acc[i] = _mm512_dpbf16_ps(acc[i], x, (__m512bh)_mm512_set1_epi32(static_cast<int>(rows[(t + i) * stride + dp])));
-      }
-      for (int i = 0; i < 8; ++i)
-        _mm512_storeu_ps(st + (t + i) * JP + jv * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale * scales[t + i])));
+      if (jb == 3) pair_scores_tile<HD, 8, 3>(rows, stride, scales, t, qv, JP, scale, sv);
+      else if (jb == 2) pair_scores_tile<HD, 8, 2>(rows, stride, scales, t, qv, JP, scale, sv);
+      else pair_scores_tile<HD, 8, 1>(rows, stride, scales, t, qv, JP, scale, sv);
     }
     for (; t < n; ++t) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int dp = 0; dp < HD / 2; ++dp)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qv + dp * JP),
-                               (__m512bh)_mm512_set1_epi32(static_cast<int>(rows[t * stride + dp])));
-      _mm512_storeu_ps(st + t * JP + jv * 16, _mm512_mul_ps(acc, _mm512_set1_ps(scale * scales[t])));
+      if (jb == 3) pair_scores_tile<HD, 1, 3>(rows, stride, scales, t, qv, JP, scale, sv);
+      else if (jb == 2) pair_scores_tile<HD, 1, 2>(rows, stride, scales, t, qv, JP, scale, sv);
+      else pair_scores_tile<HD, 1, 1>(rows, stride, scales, t, qv, JP, scale, sv);
     }
+    jv += jb;
   }
 }
 
