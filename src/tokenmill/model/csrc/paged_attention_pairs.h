@@ -23,6 +23,10 @@ namespace {
 
 #define TM_PAIRS_TARGET __attribute__((target("arch=x86-64-v4,avx512bf16,prefer-vector-width=512")))
 
+// Pages of V a pass of pair_accumulate covers: its sums are loaded and stored once a chunk. 4 pages of
+// 16 rows: 8 kB of interleaved values, in L1 beside the weights.
+constexpr int64_t kPairChunkPages = 4;
+
 template <typename Rd>
 constexpr bool kPairReader = !std::is_same_v<Rd, F32Rows>;
 
@@ -165,16 +169,15 @@ TM_PAIRS_TARGET void pair_scores(const uint32_t* __restrict rows, int64_t stride
   }
 }
 
-// accb[j][d] += sum_t w[t][j] * scales[t] * v_t[d] over the page's rows t0..n-1, two rows a product:
-// the rows' values interleaved into vbuf ([page_size / 2 + 1][HD] uint32) and their weights into
-// bf16 pairs written over st's even rows (st: the page's first row; its weights are not read
-// again). A row of a pair outside t0..n-1 weighs 0 and reads as 0 (a cache slot past a sequence's
-// end may hold anything).
-template <int HD, int JB, int CB>
-TM_PAIRS_TARGET void pair_weighted_sum(const uint32_t* __restrict rows, int64_t stride, const float* scales,
-                                                 int64_t t0, int64_t n, int64_t J, int64_t JP, int64_t JV,
-                                                 float* __restrict st, uint32_t* __restrict vbuf,
-                                                 float* __restrict accb) {
+// The V side of a page's rows t0..n-1 as pair_accumulate takes them, two rows a product: the rows'
+// values interleaved into vbuf ([page_size / 2 + 1][HD] uint32, pair tp of the page at row tp) and
+// their weights times scales[t] into bf16 pairs written over st's even rows (st: the page's first
+// row; its weights are not read again). A row of a pair outside t0..n-1 weighs 0 and reads as 0 (a
+// cache slot past a sequence's end may hold anything).
+template <int HD>
+TM_PAIRS_TARGET void pair_values(const uint32_t* __restrict rows, int64_t stride, const float* scales, int64_t t0,
+                                 int64_t n, int64_t JP, int64_t JV, float* __restrict st,
+                                 uint32_t* __restrict vbuf) {
   constexpr int NC = HD / 16;
   const int64_t tp0 = t0 / 2, tp1 = (n + 1) / 2;
   // Lane i takes value i of the first row (low half) and value i of the second (high half).
@@ -202,6 +205,16 @@ TM_PAIRS_TARGET void pair_weighted_sum(const uint32_t* __restrict rows, int64_t 
       _mm512_storeu_si512(wa + 16 * jv, _mm512_permutexvar_epi16(weave, reinterpret_cast<const __m512i&>(h)));
     }
   }
+}
+
+// accb[j][d] += sum over pairs tp0..tp1-1 of w[tp][j] . v[tp][d] (pair_values' layout: vbuf rows and
+// st's even rows, from the same first position), JB query vectors x CB x 16 values of head_dim a pass,
+// their sums in registers across all the pairs: pages are prepared a few at a time (kPairChunkPages)
+// so that the sums are loaded and stored once per chunk, not once per page.
+template <int HD, int JB, int CB>
+TM_PAIRS_TARGET void pair_accumulate(const float* __restrict st, const uint32_t* __restrict vbuf, int64_t tp0,
+                                     int64_t tp1, int64_t J, int64_t JP, float* __restrict accb) {
+  constexpr int NC = HD / 16;
   for (int64_t j0 = 0; j0 < J; j0 += JB) {
     for (int c0 = 0; c0 < NC; c0 += CB) {
       __m512 acc[JB][CB];

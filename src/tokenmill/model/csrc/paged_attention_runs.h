@@ -68,11 +68,11 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   float* __restrict stat = accb + JP * HD;  // [2][JP]: max, then 1 / sum
   float* __restrict kbuf = stat + 2 * JP;  // [page_size][HD]
   constexpr bool kPairs = Pairs && W == 16 && kPairReader<Rd>;
-  // Pairs: an int8 page's rows as bf16 pairs in kbuf's first half, V's interleaved rows in the
-  // rest, the page's row scales after it.
+  // Pairs: an int8 page's rows as bf16 pairs in kbuf's first half, the page's row scales after them,
+  // then V's interleaved rows of up to kPairChunkPages pages.
   uint32_t* __restrict pair_buf = reinterpret_cast<uint32_t*>(kbuf);
-  uint32_t* __restrict vbuf = pair_buf + page_size * HD / 2;
-  float* __restrict row_scales = kbuf + (page_size + 1) * HD;
+  float* __restrict row_scales = kbuf + page_size * HD / 2;
+  uint32_t* __restrict vbuf = reinterpret_cast<uint32_t*>(row_scales + page_size);
   if constexpr (kPairs) {
     pair_queries<HD>(a, row0, kvh, G, J, JP, reinterpret_cast<uint32_t*>(qt));
   } else {
@@ -193,9 +193,21 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     const int64_t n = std::min(page_size, end - base - first);
     const int64_t t0 = std::max<int64_t>(0, start - base - first);
     if constexpr (kPairs) {
-      int64_t stride = 0;
-      const uint32_t* rows = pair_rows<Rd, HD>(vbase + pages[p] * page_elems, slot_stride, t0, n, pair_buf, row_scales, stride);
-      pair_weighted_sum<HD, JB, CB>(rows, stride, row_scales, t0, n, J, JP, JV, st + first * JP, vbuf, accb);
+      // Pages a chunk at a time (an odd page size pairs rows across pages: one at a time then), each
+      // prepared into its place in vbuf, then multiplied in one pass (pair_accumulate).
+      const int64_t chunk = page_size % 2 == 0 ? kPairChunkPages : 1, half = page_size / 2;
+      const int64_t last = std::min(num_pages, p + chunk) - 1;
+      for (int64_t c = p; c <= last; ++c) {
+        if (c > p && c + kPrefetchPages < num_pages) prefetch_page(vbase + pages[c + kPrefetchPages] * page_elems, page_bytes);
+        const int64_t cf = c * page_size, cn = std::min(page_size, end - base - cf);
+        const int64_t ct0 = std::max<int64_t>(0, start - base - cf);
+        int64_t stride = 0;
+        const uint32_t* rows = pair_rows<Rd, HD>(vbase + pages[c] * page_elems, slot_stride, ct0, cn, pair_buf, row_scales, stride);
+        pair_values<HD>(rows, stride, row_scales, ct0, cn, JP, JV, st + cf * JP, vbuf + (c - p) * half * HD);
+      }
+      const int64_t last_n = std::min(page_size, end - base - last * page_size);
+      pair_accumulate<HD, JB, CB>(st + first * JP, vbuf, t0 / 2, (last - p) * half + (last_n + 1) / 2, J, JP, accb);
+      p = last;
       continue;
     }
     widen(vbase + pages[p] * page_elems, t0, n);
@@ -237,7 +249,8 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
 // Scratch floats attend_run_items needs (for any W up to 16).
 inline int64_t run_scratch(int64_t rows, int64_t group, int64_t len_last, int64_t hd, int64_t page_size) {
   const int64_t jp = (rows * group + 15) / 16 * 16;
-  return jp * (len_last + 2 + 2 * hd) + page_size * hd + hd + page_size;  // + the pair path's odd row and scales
+  // + the pair path's odd row and scales, and its chunk of interleaved V pages
+  return jp * (len_last + 2 + 2 * hd) + page_size * hd + hd + page_size + (kPairChunkPages - 1) * page_size * hd / 2;
 }
 
 }  // namespace
