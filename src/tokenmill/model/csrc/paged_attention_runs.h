@@ -32,12 +32,11 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   using V = Vec<W>;
   constexpr int NC = HD / W;
   constexpr int JB = 4;  // query vectors per pass of the weighted V sum
-  // Vectors of head_dim per pass of that sum: all of them up to head_dim 128; head_dim 256 (Gemma)
-  // in two halves, so the accumulators take the registers they take at 128 instead of spilling.
-  constexpr int CB = HD > 128 ? 128 / W : NC;
-  // The pair path's sums are 16 lanes of a vector: 4 vectors (64 values) a pass keep JB x 4 = 16 of
-  // them, 4 values and the weight in registers; 8 (head_dim 128 and 256) needed 41 of the 32.
-  constexpr int kPairCB = CB < 4 ? CB : 4;
+  // Vectors of head_dim per pass of that sum: JB x CB sums, CB values and the weight in registers
+  // (AVX-512: 16 + 4 + 1 of 32; AVX2: 8 + 2 + 1 of 16). 8 vectors a pass (head_dim 128 and 256 at
+  // W = 16) needed 41 and spilled in the inner loop.
+  constexpr int kSumVectors = W == 16 ? 4 : 2;
+  constexpr int CB = NC < kSumVectors ? NC : kSumVectors;
   const int64_t G = a.group;
   const int64_t J = R * G;
   const int64_t JV = (J + W - 1) / W;  // vectors of query lanes
@@ -209,7 +208,7 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
         pair_values<HD>(rows, stride, row_scales, ct0, cn, JP, JV, st + cf * JP, vbuf + (c - p) * half * HD);
       }
       const int64_t last_n = std::min(page_size, end - base - last * page_size);
-      pair_accumulate<HD, JB, kPairCB>(st + first * JP, vbuf, t0 / 2, (last - p) * half + (last_n + 1) / 2, J, JP, accb);
+      pair_accumulate<HD, JB, CB>(st + first * JP, vbuf, t0 / 2, (last - p) * half + (last_n + 1) / 2, J, JP, accb);
       p = last;
       continue;
     }
