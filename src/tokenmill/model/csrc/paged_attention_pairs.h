@@ -51,49 +51,6 @@ TM_PAIRS_TARGET void pair_queries(const Args& a, int64_t row0, int64_t kvh, int6
   }
 }
 
-// exp(v - m) (v <= m) for the pair path's softmax, 13 operations a vector against exp_nonpos's ~20,
-// as accurate (relative ~1e-7: the weights are rounded to bf16 next, and an exp less exact than that
-// rounds more of them the other way at a boundary): x = v - m is split as k ln2 + r (k = round(x
-// log2 e), r by Cody-Waite's two constants), e^r by its Taylor polynomial to degree 6 (|r| <= ln2 / 2:
-// error < 1e-7), and vscalefps multiplies by 2^k (0 far below the maximum: no clamp, no exponent bits).
-TM_PAIRS_TARGET inline __m512 pair_exp(__m512 v, __m512 m) {
-  const __m512 x = _mm512_sub_ps(v, m);
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, k);
-}
-
-// x[t * stride + lane] = exp(x - m[lane]) for n rows of 16 lanes, in place (pair_exp); returns the
-// lanes' sums, in two chains of additions. On SmolLM2's runs the exp pass was ~30 of ~175 cycles a
-// position and KV head.
-TM_PAIRS_TARGET __m512 pair_exp_rows(float* __restrict x, int64_t stride, int64_t n, __m512 m) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();  // two chains of additions, not one
-  int64_t t = 0;
-  for (; t + 2 <= n; t += 2) {
-    const __m512 e0 = pair_exp(_mm512_loadu_ps(x + t * stride), m);
-    const __m512 e1 = pair_exp(_mm512_loadu_ps(x + (t + 1) * stride), m);
-    _mm512_storeu_ps(x + t * stride, e0);
-    _mm512_storeu_ps(x + (t + 1) * stride, e1);
-    s0 = _mm512_add_ps(s0, e0);
-    s1 = _mm512_add_ps(s1, e1);
-  }
-  if (t < n) {
-    const __m512 e = pair_exp(_mm512_loadu_ps(x + t * stride), m);
-    _mm512_storeu_ps(x + t * stride, e);
-    s0 = _mm512_add_ps(s0, e);
-  }
-  return _mm512_add_ps(s0, s1);
-}
-
 // Rows t0..n-1 of a page as bf16 pairs, `stride` uint32 apart, and each row's scale: a bf16 cache's
 // rows in place (scale 1), an int8 cache's codes converted into buf ([page_size][HD / 2]).
 template <typename Rd, int HD>

@@ -162,16 +162,11 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   for (int64_t jv = 0; jv < JV; ++jv) {
     const V m = loadv<W>(stat + jv * W);
     V total = V{};
-    if constexpr (kPairs) {  // weights that are rounded to bf16 next: a cheaper exp (pair_exp_rows)
-      const __m512 s = pair_exp_rows(st + (full_lo - base) * JP + jv * W, JP, full_hi - full_lo, (__m512)m);
-      total = (V)s;
-    } else {
-      for (int64_t t = full_lo; t < full_hi; ++t) {
-        float* x = st + (t - base) * JP + jv * W;
-        const V e = exp_nonpos_v<W>(loadv<W>(x) - m);
-        storev<W>(x, e);
-        total += e;
-      }
+    for (int64_t t = full_lo; t < full_hi; ++t) {
+      float* x = st + (t - base) * JP + jv * W;
+      const V e = exp_nonpos_v<W>(loadv<W>(x) - m);
+      storev<W>(x, e);
+      total += e;
     }
     storev<W>(sum + jv * W, total);
   }
