@@ -100,6 +100,16 @@ TM_PAIRS_TARGET void pair_scores_tile(const uint32_t* __restrict rows, int64_t s
   }
 }
 
+// pair_scores_tile of TB positions with jb (1-3) vectors of lanes.
+template <int HD, int TB>
+TM_PAIRS_TARGET void pair_scores_tiles(int64_t jb, const uint32_t* __restrict rows, int64_t stride,
+                                       const float* scales, int64_t t, const uint32_t* __restrict qv, int64_t JP,
+                                       float scale, float* __restrict st) {
+  if (jb == 3) pair_scores_tile<HD, TB, 3>(rows, stride, scales, t, qv, JP, scale, st);
+  else if (jb == 2) pair_scores_tile<HD, TB, 2>(rows, stride, scales, t, qv, JP, scale, st);
+  else pair_scores_tile<HD, TB, 1>(rows, stride, scales, t, qv, JP, scale, st);
+}
+
 // st[t][j] = scale * scales[t] * q_j . k_t for the page's rows t0..n-1 (st: the page's first row), in
 // tiles of 8 positions x up to 3 vectors of lanes (2 + 2 for 4: 16 sums, not 24 + 8 with a chain-bound
 // tail), the last positions one by one.
@@ -112,16 +122,8 @@ TM_PAIRS_TARGET void pair_scores(const uint32_t* __restrict rows, int64_t stride
     const uint32_t* qv = qp + jv * 16;
     float* sv = st + jv * 16;
     int64_t t = t0;
-    for (; t + 8 <= n; t += 8) {
-      if (jb == 3) pair_scores_tile<HD, 8, 3>(rows, stride, scales, t, qv, JP, scale, sv);
-      else if (jb == 2) pair_scores_tile<HD, 8, 2>(rows, stride, scales, t, qv, JP, scale, sv);
-      else pair_scores_tile<HD, 8, 1>(rows, stride, scales, t, qv, JP, scale, sv);
-    }
-    for (; t < n; ++t) {
-      if (jb == 3) pair_scores_tile<HD, 1, 3>(rows, stride, scales, t, qv, JP, scale, sv);
-      else if (jb == 2) pair_scores_tile<HD, 1, 2>(rows, stride, scales, t, qv, JP, scale, sv);
-      else pair_scores_tile<HD, 1, 1>(rows, stride, scales, t, qv, JP, scale, sv);
-    }
+    for (; t + 8 <= n; t += 8) pair_scores_tiles<HD, 8>(jb, rows, stride, scales, t, qv, JP, scale, sv);
+    for (; t < n; ++t) pair_scores_tiles<HD, 1>(jb, rows, stride, scales, t, qv, JP, scale, sv);
     jv += jb;
   }
 }
