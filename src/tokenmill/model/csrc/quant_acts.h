@@ -51,6 +51,15 @@ TV_TARGET TV_INLINE __m512i clamp_i8(__m512i q) {
   return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-128)), _mm512_set1_epi32(127));
 }
 
+// One more term's sums of a group (all of it, and its first half) merged into msum's three values, as
+// the tiles merge their terms' dot products: the earlier terms' sums move up by the fine steps.
+TV_INLINE void merge_term_sums(int32_t* merged, int32_t total, int32_t first) {
+  const int32_t steps = static_cast<int32_t>(kFineSteps);
+  merged[0] = merged[0] * steps + total;
+  merged[1] = merged[1] * steps + first;
+  merged[2] = merged[2] * steps + (total - first);
+}
+
 // One group (32 values in lo, hi) rounded to `terms` int8 terms: the reference for quantize4.
 TV_TARGET TV_INLINE void quantize1(__m512 lo, __m512 hi, int terms, const GroupOut& o) {
   float total_sum = 0.f, half_sum[2] = {0.f, 0.f};
@@ -75,9 +84,7 @@ TV_TARGET TV_INLINE void quantize1(__m512 lo, __m512 hi, int terms, const GroupO
     total_sum = std::fma(scale, static_cast<float>(total), total_sum);
     half_sum[0] = std::fma(scale, static_cast<float>(first), half_sum[0]);
     half_sum[1] = std::fma(scale, static_cast<float>(second), half_sum[1]);
-    merged[0] = merged[0] * static_cast<int32_t>(kFineSteps) + total;
-    merged[1] = merged[1] * static_cast<int32_t>(kFineSteps) + first;
-    merged[2] = merged[2] * static_cast<int32_t>(kFineSteps) + second;
+    merge_term_sums(merged, total, first);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(o.xq + t * kGroup), _mm512_cvtsepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(o.xq + t * kGroup + 16), _mm512_cvtsepi32_epi8(qhi));
     // what this term left out, for the next one
@@ -170,10 +177,7 @@ TV_TARGET TV_INLINE void quantize4(const float* src, const GroupOut& o, int64_t 
     merged[0] = merged[1] = merged[2] = 0;
     for (int t = 0; t < Terms; ++t) {
       o.dx[i * stride * Terms + t] = scales[t][4 * i];
-      const int32_t total = totals[t][4 * i], first = firsts[t][4 * i];
-      merged[0] = merged[0] * static_cast<int32_t>(kFineSteps) + total;
-      merged[1] = merged[1] * static_cast<int32_t>(kFineSteps) + first;
-      merged[2] = merged[2] * static_cast<int32_t>(kFineSteps) + (total - first);
+      merge_term_sums(merged, totals[t][4 * i], firsts[t][4 * i]);
     }
     o.qsum[i * stride] = sums[0][4 * i];
     o.hqsum[2 * i * stride] = sums[1][4 * i];
