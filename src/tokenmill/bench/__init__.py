@@ -17,6 +17,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("spec", "add_spec_parser"),
     ("serve", "add_serve_parser"),
     ("quality", "add_quality_parser"),
+    ("fidelity", "add_fidelity_parser"),
     ("kv_cache", "add_kv_cache_parser"),
     ("gguf_mixes", "add_mixes_parser"),
     ("soak", "add_soak_parser"),
