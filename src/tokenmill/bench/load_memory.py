@@ -5,6 +5,11 @@ The command loads the model in this (fresh) process the way `LLM` does - the eng
 runner, KV pool), then the tokenizer, then a heap trim - and generates a few tokens, reading /proc/self/status after
 each stage: VmRSS (resident now), VmHWM (the peak so far), and RssAnon / RssFile (private memory
 against pages of mapped files such as the GGUF), so a regression shows at the stage that caused it.
+
+The verdict counts the bound as issue 22 measured its own figures ("RSS growth of `LLM(file)` after
+one request"): resident memory after the generation minus after the imports, since the ~150 MB of
+runtime the bound allows are the tokenizer, threads and first KV pages, not the interpreter and
+torch (whose import alone is ~210 MB here). The whole process against the bound is printed beside it.
 """
 
 from __future__ import annotations
@@ -87,12 +92,14 @@ def cmd_load_memory(args: argparse.Namespace) -> int:
         print(f"  {s['stage']:36s} " + " ".join(f"{s.get(k, 0.0):8.0f}" for k in _FIELDS) + took)
     print(f"  transformers imported by the load: {'yes' if transformers_loaded else 'no'}")
     final = stages[-1]["VmRSS"]
-    print(f"  target 1.1 x file + 150 MB = {bound:.0f} MB: {'met' if final <= bound else 'not met'} "
-          f"({final:.0f} MB resident at the end = {final / bound:.2f} x the target, "
-          f"peak {stages[-1]['VmHWM']:.0f} MB)")
+    growth = final - stages[0]["VmRSS"]
+    print(f"  target 1.1 x file + 150 MB = {bound:.0f} MB of growth over the imports: "
+          f"{'met' if growth <= bound else 'not met'} (+{growth:.0f} MB = {growth / bound:.2f} x the target; "
+          f"the whole process {final:.0f} MB = {final / bound:.2f} x, peak {stages[-1]['VmHWM']:.0f} MB)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"settings": vars(args) | {"func": None}, "file_mb": size / MB, "weights_mb": weights,
-                       "target_mb": bound, "ratio_to_target": final / bound, "stages": stages,
+                       "target_mb": bound, "growth_mb": growth, "growth_to_target": growth / bound,
+                       "ratio_to_target": final / bound, "stages": stages,
                        "transformers_imported": transformers_loaded}, f, indent=1, default=str)
     return 0
