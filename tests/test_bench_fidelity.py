@@ -5,10 +5,13 @@ the command says."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from tests.tiny_models import GEMMA_WINDOW, make_tiny_model, reference_model
-from tokenmill.bench.fidelity import run_fidelity, slice_prompts, transformers_greedy
+from tokenmill.bench.fidelity import run_fidelity, slice_prompts, token_lengths, transformers_greedy
+from tokenmill.errors import InvalidRequest
 
 NEW_TOKENS = 6
 
@@ -21,11 +24,15 @@ def tiny(tmp_path_factory):
     return str(folder), prompts, transformers_greedy(reference_model(folder), prompts, NEW_TOKENS)
 
 
-def test_slices_are_consecutive_after_the_lead_and_too_long_is_refused():
+def test_slices_are_consecutive_after_the_lead_and_bad_lengths_are_refused():
     assert slice_prompts(list(range(10)), [3, 4], lead=[99]) == [[99, 0, 1], [99, 2, 3, 4]]
     assert slice_prompts(list(range(10)), [2, 3], lead=[]) == [[0, 1], [2, 3, 4]]
-    with pytest.raises(ValueError, match="cannot cut a 6-token prompt: the held-out text has 10 tokens"):
+    with pytest.raises(InvalidRequest, match="cannot cut a 6-token prompt: the held-out text has 10 tokens"):
         slice_prompts(list(range(10)), [5, 6], lead=[])
+    assert token_lengths("8,360") == [8, 360]
+    for bad in ("8,x", "1,5", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            token_lengths(bad)
 
 
 def test_every_run_matches_transformers_and_exercises_its_case(tiny):

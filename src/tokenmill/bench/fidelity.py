@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from tokenmill.bench.common import at_least
+from tokenmill.errors import InvalidRequest
+
 # The token budget a step of the "chunked" and "preempted" runs: a 1,700-token prompt takes 18 steps
 # to prefill, and the shorter prompts are admitted beside it.
 CHUNK_TOKENS = 96
@@ -56,14 +59,25 @@ def add_fidelity_parser(subparsers: Any) -> None:
         "fidelity", help="exact mode's greedy tokens vs transformers fp32 on the same file: together, alone, "
                          "prefix-cached, chunked, preempted")
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
-    p.add_argument("--prompt-tokens", default="8,360,900,1700",
+    p.add_argument("--prompt-tokens", type=token_lengths, default=token_lengths("8,360,900,1700"),
                    help="comma-separated prompt lengths in tokens, cut from the held-out text (default: shorter "
                         "and longer than Gemma 3's 512-token window)")
-    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated per prompt")
+    p.add_argument("--new-tokens", type=at_least(1), default=16, help="greedy tokens generated per prompt")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", metavar="PATH", default=None, help="write settings and results here")
     p.set_defaults(func=cmd_fidelity)
+
+
+def token_lengths(text: str) -> list[int]:
+    """An argparse type: comma-separated prompt lengths, each at least 2 tokens (BOS and one more)."""
+    try:
+        lengths = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts such as 8,360, got {text!r}") from None
+    if not lengths or min(lengths) < 2:
+        raise argparse.ArgumentTypeError(f"every prompt needs at least 2 tokens, got {text!r}")
+    return lengths
 
 
 def slice_prompts(text_ids: Sequence[int], lengths: Sequence[int], lead: Sequence[int]) -> list[list[int]]:
@@ -74,7 +88,7 @@ def slice_prompts(text_ids: Sequence[int], lengths: Sequence[int], lead: Sequenc
     for length in lengths:
         take = length - len(lead)
         if take < 1 or start + take > len(text_ids):
-            raise ValueError(f"cannot cut a {length}-token prompt: the held-out text has {len(text_ids)} tokens "
+            raise InvalidRequest(f"cannot cut a {length}-token prompt: the held-out text has {len(text_ids)} tokens "
                              f"and the prompts before it took {start}")
         prompts.append(lead + list(text_ids[start:start + take]))
         start += take
@@ -151,13 +165,15 @@ def run_fidelity(model: str, prompts: list[list[int]], references: list[list[int
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
+    """Exit status 0 when every run matched and exercised its case, 1 otherwise; bad input is an
+    InvalidRequest (the CLI prints it, status 2)."""
     from tokenmill.bench.quality import held_out_text_path
     from tokenmill.bench.throughput import load_transformers_peer
     from tokenmill.frontend.tokenizer import Tokenizer
     from tokenmill.model.default_model import default_model_path
 
     model = os.path.abspath(os.path.expanduser(args.model)) if args.model else default_model_path()
-    lengths = [int(n) for n in args.prompt_tokens.split(",")]
+    lengths = args.prompt_tokens
     tokenizer = Tokenizer.from_model_path(model)
     with open(held_out_text_path(), encoding="utf-8") as f:
         text_ids = tokenizer.encode(f.read(), add_special_tokens=False)
