@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.server.server_process import alive  # /proc's view: a zombie or a reaped pid is dead
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.chat_prompt_timing import timed_chat_prompt_ids
 from tokenmill.frontend.tokenize_pool import TokenizePool, run_tokenizer
@@ -24,18 +25,6 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 def _crash(tokenizer: Tokenizer) -> None:
     os._exit(3)  # a worker dying mid-request (killed by the OOM killer, a segfault in a native library)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, only not yet reaped
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
