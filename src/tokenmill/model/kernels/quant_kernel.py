@@ -49,6 +49,15 @@ def bound_blocked_linear(w: BlockedWeight, terms: int = 2):
     return lambda x: op(x, *args)
 
 
+def bound_blocked_linear_parts(ws: list[BlockedWeight], terms: int = 2):
+    """x -> [x @ w.T for w in ws] side by side in one float32 output, x rounded once (a fused q/k/v
+    whose parts are in different formats: csrc/quant_vnni.cpp `linear_parts`)."""
+    op = torch.ops.tokenmill_vnni.linear_parts.default
+    tensors = [t for w in ws for t in (w.codes, w.scales, or_empty(w.mins), or_empty(w.subs))]
+    fmts, ns = [w.fmt for w in ws], [w.shape[0] for w in ws]
+    return lambda x: op(x, tensors, fmts, ns, terms)
+
+
 def blocked_dequantize_bf16(w: BlockedWeight) -> torch.Tensor:
     """The dense bf16 [N, K] matrix: gguf-py's values rounded once to bf16."""
     return torch.ops.tokenmill_vnni.dequantize_bf16(*blocked_args(w), w.shape[1])

@@ -163,14 +163,22 @@ def _single(w: Weight, policy: LayerPolicy):
 
 
 class ConcatLinear:
-    """Several linears over the same input, outputs side by side."""
+    """Several linears over the same input, outputs side by side. Where every part runs the VNNI
+    kernel for the call's rows (a GGUF mix's q/k/v in two formats), one kernel call does them all:
+    the input is rounded once and each part writes its columns in place (no concatenation)."""
 
     def __init__(self, parts: list, bias: torch.Tensor | None) -> None:
         self.parts = parts
         self.bias = bias
+        vnni = [p.vnni_weight for p in parts if isinstance(p, QuantizedLinear)]
+        self._together = (quant_kernel.bound_blocked_linear_parts(vnni)
+                          if len(vnni) == len(parts) and all(w is not None for w in vnni) else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.cat([p(x).float() for p in self.parts], dim=-1)
+        if self._together is not None and x.dtype == torch.float32 and all(p.runs_vnni(x.shape[0]) for p in self.parts):
+            out = self._together(x)
+        else:
+            out = torch.cat([p(x).float() for p in self.parts], dim=-1)
         return out if self.bias is None else out.add_(self.bias)
 
     def describe(self) -> str:

@@ -90,6 +90,10 @@ class QuantizedLinear:
             out = F.linear(x.to(torch.bfloat16), w).float()
         return out if self.bias is None else out.add_(self.bias)
 
+    def runs_vnni(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs the VNNI kernel on a float32 input, as it comes."""
+        return self._vnni is not None and rows < self._vnni_rows and self.bias is None
+
     @property
     def vnni_weight(self) -> BlockedWeight | None:
         """The column-blocked weight when calls below BLOCKED_DENSE_MIN_ROWS rows run the VNNI kernel
