@@ -7,13 +7,11 @@ namespace {
 
 using namespace tm_vnni;
 
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                  const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms) {
-  TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be float32 [M, K]");
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  const Weights w = check(codes, scales, mins, subs, fmt, N, K);
+// y [M, N] = x @ W^T for weights side by side (one, or the parts of a fused linear: part i's column
+// blocks start at block0[i]; block0 ends with N / 16). x float32 [M, K], contiguous.
+at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
+                    int64_t terms) {
+  const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   // One scratch buffer for the quantized activations and their per-group numbers (an allocation per
@@ -33,25 +31,49 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
   const float* xp = x.data_ptr<float>();
   const Acts a = make_acts(base, M, K, terms);
   float* yp = y.data_ptr<float>();
-  const int64_t nblocks = N / kCols;
-  auto go = [&](int64_t m0, int64_t m1, int64_t nb0, int64_t nb1, bool round) {
-    if (terms == 2) run<2>(xp, w, a, K, N, m0, m1, nb0, nb1, round, yp);
-    else run<1>(xp, w, a, K, N, m0, m1, nb0, nb1, round, yp);
+  auto round = [&](int64_t m0, int64_t m1) {
+    if (terms == 2) quantize_rows<2>(xp, K, m0, m1, a);
+    else quantize_rows<1>(xp, K, m0, m1, a);
+  };
+  // y's column blocks b0..b1 (over all parts, in order) for rows m0..m1, each part into its columns
+  auto go = [&](int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+    for (size_t i = 0; i < w.size(); ++i) {
+      const int64_t lo = std::max(b0, block0[i]), hi = std::min(b1, block0[i + 1]);
+      if (lo >= hi) continue;
+      float* yi = yp + block0[i] * kCols;
+      if (terms == 2) blocks<2>(w[i], a, m0, m1, N, lo - block0[i], hi - block0[i], yi);
+      else blocks<1>(w[i], a, m0, m1, N, lo - block0[i], hi - block0[i], yi);
+    }
   };
   if (M >= kSplitRowsFrom && N * K <= kSplitRowsMaxWeights) {
     // Threads take rows (full tiles each, at least 8 rows), every thread rounding its own rows: the
     // rounding (~13 ns a group and row, 30 us of K = 1536 x 48 rows) is split too, with no second
     // fork or barrier. Each thread reads every weight: little against 16 rows' compute for a layer's
     // matrix, but not for a vocabulary's (28 MB for SmolLM2's lm_head, whose rounding is nothing).
-    at::parallel_for(0, M, kMaxRows, [&](int64_t m0, int64_t m1) { go(m0, m1, 0, nblocks, true); });
+    at::parallel_for(0, M, kMaxRows, [&](int64_t m0, int64_t m1) {
+      round(m0, m1);
+      go(m0, m1, 0, nblocks);
+    });
   } else {
     // Threads take column blocks, at least ~32k weights each (small layers do not pay a fork for
     // nothing); the rows are rounded once, before.
-    go(0, M, 0, 0, true);
+    round(0, M);
     const int64_t grain = std::max<int64_t>(1, 32768 / (kCols * K));
-    at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) { go(0, M, b0, b1, false); });
+    at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) { go(0, M, b0, b1); });
   }
   return y;
+}
+
+at::Tensor checked_x(const at::Tensor& x, int64_t terms) {
+  TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  return x.contiguous();
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                  const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms) {
+  const at::Tensor x = checked_x(x_in, terms);
+  return multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, terms);
 }
 
 // Several weights over the same x, outputs side by side in one y [M, sum N] (a fused q/k/v whose parts a
@@ -60,51 +82,17 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
 // rounding of each (30 us at 48 rows of K = 1536) and a concatenation of their outputs after.
 at::Tensor linear_parts(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef fmts, at::IntArrayRef Ns,
                         int64_t terms) {
-  TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  const at::Tensor x = checked_x(x_in, terms);
   const size_t P = fmts.size();
   TORCH_CHECK(P > 0 && Ns.size() == P && weights.size() == 4 * P,
               "one format, one N and four tensors (codes, scales, mins, subs) per part");
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
   std::vector<Weights> w(P);
-  std::vector<int64_t> block0(P + 1, 0);  // part i's first column block in y
+  std::vector<int64_t> block0(P + 1, 0);
   for (size_t i = 0; i < P; ++i) {
-    w[i] = check(weights[4 * i], weights[4 * i + 1], weights[4 * i + 2], weights[4 * i + 3], fmts[i], Ns[i], K);
+    w[i] = check(weights[4 * i], weights[4 * i + 1], weights[4 * i + 2], weights[4 * i + 3], fmts[i], Ns[i], x.size(1));
     block0[i + 1] = block0[i] + Ns[i] / kCols;
   }
-  const int64_t N = block0[P] * kCols;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  at::Tensor scratch = at::empty({acts_floats(M, K, terms)}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const Acts a = make_acts(scratch.data_ptr<float>(), M, K, terms);
-  float* yp = y.data_ptr<float>();
-  // y's blocks b0..b1 (of all parts, in order) for rows m0..m1
-  auto go = [&](int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
-    for (size_t i = 0; i < P; ++i) {
-      const int64_t lo = std::max(b0, block0[i]), hi = std::min(b1, block0[i + 1]);
-      if (lo >= hi) continue;
-      float* yi = yp + block0[i] * kCols;
-      if (terms == 2) blocks<2>(w[i], a, m0, m1, N, lo - block0[i], hi - block0[i], yi);
-      else blocks<1>(w[i], a, m0, m1, N, lo - block0[i], hi - block0[i], yi);
-    }
-  };
-  auto round = [&](int64_t m0, int64_t m1) {
-    if (terms == 2) quantize_rows<2>(xp, K, m0, m1, a);
-    else quantize_rows<1>(xp, K, m0, m1, a);
-  };
-  if (M >= kSplitRowsFrom && N * K <= kSplitRowsMaxWeights) {  // as `linear`: threads take rows
-    at::parallel_for(0, M, kMaxRows, [&](int64_t m0, int64_t m1) {
-      round(m0, m1);
-      go(m0, m1, 0, block0[P]);
-    });
-  } else {
-    round(0, M);
-    const int64_t grain = std::max<int64_t>(1, 32768 / (kCols * K));
-    at::parallel_for(0, block0[P], grain, [&](int64_t b0, int64_t b1) { go(0, M, b0, b1); });
-  }
-  return y;
+  return multiply(x, w, block0, terms);
 }
 
 // The fp32 values of one block and group: scale * (code - offset) + min, rounded once as gguf-py

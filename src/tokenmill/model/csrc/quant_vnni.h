@@ -285,14 +285,6 @@ TV_TARGET void blocks(const Weights& w, const Acts& a, int64_t m0, int64_t m1, i
   with_decoder(w.fmt, [&]<class D>() { blocks_of<D, Terms>(w, a, m0, m1, N, nb0, nb1, y); });
 }
 
-// Rounds rows m0..m1 of x and multiplies them with blocks nb0..nb1 (rows already rounded when
-// `round` is false).
-template <int Terms>
-TV_TARGET void run(const float* x, const Weights& w, const Acts& a, int64_t K, int64_t N, int64_t m0, int64_t m1,
-                   int64_t nb0, int64_t nb1, bool round, float* y) {
-  if (round) quantize_rows<Terms>(x, K, m0, m1, a);
-  blocks<Terms>(w, a, m0, m1, N, nb0, nb1, y);
-}
 
 bool vnni_supported() {
 #if defined(__x86_64__)
