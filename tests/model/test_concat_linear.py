@@ -5,6 +5,8 @@ thread splits); where a part takes another path for the rows (bf16 GEMM), the pa
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -18,13 +20,15 @@ pytestmark = pytest.mark.skipif(not quant_kernel.vnni_available(), reason="needs
 
 K = 512
 MIXES = [
-    [("Q4_K", 384), ("Q6_K", 128)],
-    [("Q4_0", 256), ("Q4_0", 64), ("Q5_0", 64)],
-    [("Q8_0", 48), ("Q3_K", 160), ("Q5_1", 32)],
+    (("Q4_K", 384), ("Q6_K", 128)),
+    (("Q4_0", 256), ("Q4_0", 64), ("Q5_0", 64)),
+    (("Q8_0", 48), ("Q3_K", 160), ("Q5_1", 32)),
 ]
 
 
-def parts(mix, seed: int) -> list[QuantizedLinear]:
+@functools.cache
+def parts(mix: tuple[tuple[str, int], ...], seed: int) -> list[QuantizedLinear]:
+    """The mix's parts as random weights, made once per module (rounding and packing them is the slow part)."""
     return [QuantizedLinear(to_blocked_gguf(kind, torch.from_numpy(random_blocks(kind, n, K, seed=seed + i, scale=1e-3)),
                                             (n, K)), None)
             for i, (kind, n) in enumerate(mix)]
@@ -33,7 +37,7 @@ def parts(mix, seed: int) -> list[QuantizedLinear]:
 @pytest.mark.parametrize("mix", MIXES, ids=["q4k+q6k", "q4_0+q5_0", "q8_0+q3k+q5_1"])
 @pytest.mark.parametrize("rows", [1, 5, 16, 200])
 def test_one_call_equals_the_parts_side_by_side(mix, rows):
-    ps = parts(mix, seed=rows)
+    ps = parts(mix, seed=1)
     linear = ConcatLinear(ps, None)
     x = torch.randn(rows, K)
     assert linear._together is not None and all(p.runs_vnni(rows) for p in ps)
@@ -45,7 +49,7 @@ def test_one_call_equals_the_parts_side_by_side(mix, rows):
 
 
 def test_parts_on_another_path_for_the_rows_run_one_by_one():
-    ps = parts([("Q4_K", 128), ("IQ4_XS", 128)], seed=7)  # IQ4_XS's prompt rows take the bf16 GEMM
+    ps = parts((("Q4_K", 128), ("IQ4_XS", 128)), seed=7)  # IQ4_XS's prompt rows take the bf16 GEMM
     linear = ConcatLinear(ps, None)
     rows = 256
     assert not ps[1].runs_vnni(rows) and ps[1].runs_vnni(1)
