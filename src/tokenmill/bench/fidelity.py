@@ -29,8 +29,8 @@ import torch
 from tokenmill.bench.common import at_least
 from tokenmill.errors import InvalidRequest
 
-# The token budget a step of the "chunked" and "preempted" runs: a 1,700-token prompt takes 18 steps
-# to prefill, and the shorter prompts are admitted beside it.
+# The token budget a step of the "chunked" run (and at most that of the "preempted" one): a
+# 1,700-token prompt takes 18 steps to prefill, and the shorter prompts are admitted beside it.
 CHUNK_TOKENS = 96
 
 
@@ -153,13 +153,16 @@ def run_fidelity(model: str, prompts: list[list[int]], references: list[list[int
     llm = LLM(model, **exact)
     serve("all together", llm, [everyone])
     serve("each alone, again: from the prefix cache", llm, each, expects="prefix_hit_tokens")
-    pool = pool_for_preemption(llm, max(len(p) for p in prompts) + new_tokens, CHUNK_TOKENS)
+    longest = max(len(p) for p in prompts) + new_tokens
+    # The longest request must take several chunks, or the others simply wait for it: no preemption.
+    chunk = min(CHUNK_TOKENS, max(llm.engine.scheduler.pool.page_size, longest // 4))
+    pool = pool_for_preemption(llm, longest, chunk)
     del llm
     serve("each alone, cold", LLM(model, **exact, enable_prefix_caching=False), each)
     serve(f"all together in chunks of {CHUNK_TOKENS} tokens", LLM(model, **exact, max_num_batched_tokens=CHUNK_TOKENS),
           [everyone])
-    serve(f"the same in a pool of {pool} tokens (preempted)",
-          LLM(model, **exact, max_num_batched_tokens=CHUNK_TOKENS, kv_cache_tokens=pool), [everyone],
+    serve(f"in chunks of {chunk}, a pool of {pool} tokens (preempted)",
+          LLM(model, **exact, max_num_batched_tokens=chunk, kv_cache_tokens=pool), [everyone],
           expects="preemptions")
     return runs
 
