@@ -23,7 +23,7 @@ from tokenmill.engine.factory import build_engine_core
 from tokenmill.model import cpu_attention_kernel as kernel
 from tokenmill.model.attention import PrefillSpan, TorchPagedAttention
 from tokenmill.model.kernels import decode_step, fused_ops
-from tokenmill.model.kv_cache_format import KVCacheFormat
+from tokenmill.model.kv_cache_format import KVCacheFormat, rotate
 from tokenmill.model.runner import ModelRunner, SeqChunk
 
 INT8 = KVCacheFormat.named("int8")
@@ -36,12 +36,32 @@ def test_rows_round_within_half_a_step_and_say_their_bytes():
     rows = INT8.encode(x)
     assert rows.dtype == torch.int8 and rows.shape == (3, 50, 68)
     back = INT8.decode(rows)
-    scale = x.abs().amax(-1, keepdim=True) / 127
-    assert ((back - x).abs() <= scale / 2 * (1 + 1e-5) + 1e-30).all()
+    # The codes are of H x (H orthonormal and symmetric: H H = I), each within half a step there.
+    eye = torch.eye(64)
+    torch.testing.assert_close(rotate(rotate(eye)), eye, atol=1e-6, rtol=0)
+    torch.testing.assert_close(rotate(eye), rotate(eye).T, atol=0, rtol=0)
+    rotated = rotate(x)
+    scale = rotated.abs().amax(-1, keepdim=True) / 127
+    assert ((rotate(back) - rotated).abs() <= scale / 2 * (1 + 1e-4) + 1e-6).all()
     assert torch.equal(back[1, 7], torch.zeros(64))
     # 30 layers x 3 KV heads x (64 codes + 4 scale bytes), K and V: 1.88x the tokens of bf16 per byte
     assert INT8.bytes_per_token(30, 3, 64) == 2 * 30 * 3 * 68
     assert KVCacheFormat.named("bf16").bytes_per_token(30, 3, 64) == 2 * 30 * 3 * 128
+
+
+def test_the_rotation_spreads_an_outlier_channel_over_the_row():
+    # Keys have a few channels far larger than the rest; a scale per row of the plain values leaves
+    # the small channels a few levels, the rotated row does not.
+    x = torch.randn(200, 64)
+    x[:, 5] *= 30
+    plain = x.abs().amax(-1, keepdim=True) / 127
+    plain_error = (torch.round(x / plain) * plain - x).pow(2).mean().sqrt()
+    error = (INT8.decode(INT8.encode(x)) - x).pow(2).mean().sqrt()
+    assert error < 0.4 * plain_error
+    # head dims that are not powers of two keep plain codes
+    y = torch.randn(4, 48)
+    y_scale = y.abs().amax(-1, keepdim=True) / 127
+    assert ((INT8.decode(INT8.encode(y)) - y).abs() <= y_scale / 2 * (1 + 1e-5)).all()
 
 
 def int8_case(case: tuple, maker=make_case):
@@ -65,7 +85,7 @@ def test_decode_rows_read_int8_rows(case):
     # and against the unquantized cache the difference is int8 rounding: small next to the values
     exact = naive(q, *make_case(*case)[1:3], table, lens, page_size, hd**-0.5)
     # (a score sums head_dim rounded products: its error grows as the square root of head_dim)
-    assert (ref - exact).abs().max() < 0.05 * (hd / 64) ** 0.5
+    assert (ref - exact).abs().max() < 0.06 * (hd / 64) ** 0.5
 
 
 @needs_kernel
@@ -109,8 +129,9 @@ def test_rope_store_quantizes_k_and_v_rows(bf16_input):
     v = qkv[:, (nq + nkv) * d :].float().reshape(rows, nkv, d)
     for cache, want in ((k8, k), (v8, v)):
         got = INT8.decode(cache[:, slots]).transpose(0, 1)
-        step = want.abs().amax(-1, keepdim=True) / 127
-        assert ((got - want).abs() <= step / 2 * (1 + 1e-4)).all()
+        # the codes of H x (csrc/kv_rotation.h's butterflies), each within half a step there
+        step = rotate(want).abs().amax(-1, keepdim=True) / 127
+        assert ((rotate(got) - rotate(want)).abs() <= step / 2 * (1 + 1e-4) + 1e-5).all()
         # the Python encoder makes the same rows, up to a code on an exact tie
         assert (INT8.encode(want.transpose(0, 1)).int() - cache[:, slots].int())[..., 4:].abs().max() <= 1
     untouched = torch.ones(100, dtype=torch.bool)
@@ -145,3 +166,6 @@ def test_fused_decode_step_writes_and_reads_int8_rows_as_the_layers_do(tmp_path)
         torch.testing.assert_close(INT8.decode(kf), INT8.decode(ke), atol=1e-4, rtol=1e-2)
         torch.testing.assert_close(INT8.decode(vf), INT8.decode(ve), atol=1e-4, rtol=1e-2)
     assert isinstance(ModelRunner(model, 4, 16, torch.int8).kv_format, KVCacheFormat)
+    # the disk tier keys pages by the layout: rotated int8 rows never read as the plain ones of before
+    assert ModelRunner(model, 4, 16, torch.int8).page_layout()[0].startswith("int8-hadamard;")
+    assert ModelRunner(model, 4, 16, torch.bfloat16).page_layout()[0].startswith("bf16;")

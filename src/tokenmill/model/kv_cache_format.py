@@ -10,15 +10,45 @@ followed by head_dim int8 codes, value = code * scale, with scale = max|x| / 127
 (symmetric, round to nearest even): the scale travels with its row, so every path that moves or reads
 whole rows (pages, the prefix cache, preemption) needs nothing else. At head_dim 64 a row is 68 bytes
 against 128 in bf16: the pool holds 1.88x the tokens in the same bytes.
+
+The int8 codes are those of H x, not x, where H is the orthonormal Walsh-Hadamard matrix of the head
+dim (for head dims 16-256 that are powers of two; csrc/kv_rotation.h). Keys have a few channels far
+larger than the rest, which a scale per row leaves to the small ones' cost; H spreads them over the
+row. On the bundled model that halves the KL of int8 against bf16 K/V (docs/benchmarks.md). H is
+orthonormal and symmetric, so `decode` applies it again, and the kernels rotate queries and outputs
+instead of the cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
 INT8_SCALE_BYTES = 4  # the fp32 scale at the start of each int8 row
+ROTATED_HEAD_DIMS = (16, 32, 64, 128, 256)  # int8 rows of these head dims hold codes of H x
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """H x along the last dimension (a power of two), H the orthonormal Walsh-Hadamard matrix in
+    Sylvester's order ((-1)^popcount(i & j) / sqrt(n)): csrc/kv_rotation.h's butterflies, in the same
+    order and float32 arithmetic, so the C++ writer and kernels get the same bits."""
+    n = x.shape[-1]
+    y = x.float()
+    h = 1
+    while h < n:
+        pairs = y.reshape(*y.shape[:-1], n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).reshape(x.shape)
+        h *= 2
+    return y * _inverse_sqrt(n)
+
+
+@cache
+def _inverse_sqrt(n: int) -> torch.Tensor:
+    # 1.0f / std::sqrt(float(n)), rounded as float32 like the C++ side
+    return torch.tensor(1.0, dtype=torch.float32) / torch.sqrt(torch.tensor(float(n), dtype=torch.float32))
 
 
 @dataclass(frozen=True)
@@ -67,6 +97,8 @@ class KVCacheFormat:
         if self.name != "int8":
             return values.to(self.storage_dtype)
         x = values.float()
+        if x.shape[-1] in ROTATED_HEAD_DIMS:
+            x = rotate(x)
         amax = x.abs().amax(dim=-1, keepdim=True)
         scale = amax / 127
         inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
@@ -78,7 +110,15 @@ class KVCacheFormat:
         if self.name != "int8":
             return rows.float()
         scale = rows[..., :INT8_SCALE_BYTES].contiguous().view(torch.float32)
-        return rows[..., INT8_SCALE_BYTES:].float() * scale
+        values = rows[..., INT8_SCALE_BYTES:].float() * scale
+        hd = values.shape[-1]
+        return rotate(values) if hd in ROTATED_HEAD_DIMS else values
+
+    @property
+    def layout_name(self) -> str:
+        """What a stored row means, for keys of rows kept outside the pool (the disk tier): int8 rows
+        have changed meaning once (to rotated codes), so their name says which."""
+        return "int8-hadamard" if self.name == "int8" else self.name
 
     def write(self, cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
         """values [T, num_kv_heads, head_dim] into the cache rows at `slots` [T]."""

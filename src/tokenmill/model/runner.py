@@ -121,7 +121,7 @@ class ModelRunner:
                 page = t[:, : self.page_size]
                 parts.append(f"{page.dtype}{tuple(page.shape)}")
                 nbytes += page.numel() * page.element_size()
-        return ";".join(parts), nbytes
+        return ";".join([self.kv_format.layout_name] + parts), nbytes
 
     def read_page(self, page: int) -> bytes:
         lo, hi = page * self.page_size, (page + 1) * self.page_size

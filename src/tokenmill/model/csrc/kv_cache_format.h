@@ -3,6 +3,8 @@
 // apart by the cache tensor's dtype: rows of fp32 or bf16 values, or int8 rows (a 4-byte fp32 scale,
 // then head_dim codes). The format is defined once, in tokenmill/model/kv_cache_format.py.
 
+#include "kv_rotation.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>

@@ -5,8 +5,10 @@
 // The row formats are tokenmill/model/kv_cache_format.py's.
 //
 // A reader has: Elem, the cache tensor's element type; kExtra, elements a row holds beside its
-// head_dim values; Row and row(p), the row starting at p (pointer arithmetic on rows is in Elem);
-// lanes<W>(row, i), values i..i+W-1 as a vector of W floats; at(row, i), one value.
+// head_dim values; kRotated, whether rows hold H x (kv_rotation.h: the skeletons then rotate each
+// query vector on its way in and each output vector on its way out, head dims 16-256); Row and
+// row(p), the row starting at p (pointer arithmetic on rows is in Elem); lanes<W>(row, i), values
+// i..i+W-1 as a vector of W floats; at(row, i), one value.
 
 #include "kv_cache_format.h"
 #include "paged_attention_common.h"
@@ -19,6 +21,7 @@ namespace {
 struct F32Rows {
   using Elem = float;
   static constexpr int64_t kExtra = 0;
+  static constexpr bool kRotated = false;
   using Row = const float*;
   static TM_INLINE Row row(const float* p) { return p; }
   template <int W>
@@ -29,6 +32,7 @@ struct F32Rows {
 struct Bf16Rows {  // bf16 -> fp32 is a 16-bit shift into the high half
   using Elem = uint16_t;
   static constexpr int64_t kExtra = 0;
+  static constexpr bool kRotated = false;
   using Row = const uint16_t*;
   static TM_INLINE Row row(const uint16_t* p) { return p; }
   template <int W>
@@ -59,6 +63,7 @@ TM_INLINE auto widen_codes(C c, std::index_sequence<I...>) {
 struct Int8Rows {
   using Elem = int8_t;
   static constexpr int64_t kExtra = tm_kv::kInt8ScaleBytes;
+  static constexpr bool kRotated = true;
   struct Row {
     const int8_t* codes;
     float scale;

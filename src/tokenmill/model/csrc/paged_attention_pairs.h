@@ -32,17 +32,24 @@ constexpr bool kPairReader = !std::is_same_v<Rd, F32Rows>;
 
 // q of the run's J query vectors as pairs: qp[dp * JP + j] = bf16(q_j[2 dp]) | bf16(q_j[2 dp + 1]) << 16
 // (rounded to nearest even: adjacent floats converted together are such pairs as they lie). Each
-// vector is converted 16 values at a time, then its pairs stored down their column of qp.
-template <int HD>
+// vector is converted 16 values at a time, then its pairs stored down their column of qp. Rotated:
+// the pairs of H q_j (rows that hold H x, kv_rotation.h).
+template <int HD, bool Rotated>
 TM_PAIRS_TARGET void pair_queries(const Args& a, int64_t row0, int64_t kvh, int64_t G, int64_t J, int64_t JP,
                                   uint32_t* __restrict qp) {
   alignas(64) uint32_t pairs[HD / 2];
+  alignas(64) float qr[HD];
   for (int64_t j = 0; j < JP; ++j) {
     if (j >= J) {
       for (int dp = 0; dp < HD / 2; ++dp) qp[dp * JP + j] = 0u;
       continue;
     }
     const float* q = a.q + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
+    if constexpr (Rotated) {
+      std::memcpy(qr, q, sizeof(qr));
+      tm_kv::hadamard<HD>(qr);
+      q = qr;
+    }
     for (int c = 0; c < HD / 16; ++c) {
       const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(q + 16 * c));
       _mm256_store_si256(reinterpret_cast<__m256i*>(pairs + 8 * c), reinterpret_cast<const __m256i&>(h));

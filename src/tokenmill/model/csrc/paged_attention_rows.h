@@ -117,8 +117,17 @@ TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0,
   };
 
   V qg[G][NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) qg[g][c] = loadv<W>(it.q + g * HD + W * c);
+  if constexpr (R::kRotated) {  // H q: the frame the rows are stored in
+    alignas(64) float qr[HD];
+    for (int g = 0; g < G; ++g) {
+      std::memcpy(qr, it.q + g * HD, sizeof(qr));
+      tm_kv::hadamard<HD>(qr);
+      for (int c = 0; c < NC; ++c) qg[g][c] = loadv<W>(qr + W * c);
+    }
+  } else {
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NC; ++c) qg[g][c] = loadv<W>(it.q + g * HD + W * c);
+  }
 
   for (int64_t p = p0; p < std::min(p0 + kPrefetchPages, num_pages); ++p) prefetch_page(it.kbase + it.pages[p] * page_elems, page_bytes);
   for (int64_t p = p0; p < num_pages; ++p) {
@@ -177,6 +186,7 @@ TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0,
   for (int g = 0; g < G; ++g) {
     const float inv = scores[G * nv + g];
     for (int c = 0; c < NC; ++c) storev<W>(it.out + g * HD + W * c, acc[g][c] * inv);
+    if constexpr (R::kRotated) tm_kv::hadamard<HD>(it.out + g * HD);  // back from H's frame
   }
 }
 

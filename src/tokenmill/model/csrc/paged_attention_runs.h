@@ -76,10 +76,16 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
   float* __restrict row_scales = kbuf + page_size * HD / 2;
   uint32_t* __restrict vbuf = reinterpret_cast<uint32_t*>(row_scales + page_size);
   if constexpr (kPairs) {
-    pair_queries<HD>(a, row0, kvh, G, J, JP, reinterpret_cast<uint32_t*>(qt));
+    pair_queries<HD, Rd::kRotated>(a, row0, kvh, G, J, JP, reinterpret_cast<uint32_t*>(qt));
   } else {
+    alignas(64) float qr[HD];
     for (int64_t j = 0; j < JP; ++j) {
       const float* q = a.q + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
+      if (Rd::kRotated && j < J) {  // H q: the frame the rows are stored in
+        std::memcpy(qr, q, sizeof(qr));
+        tm_kv::hadamard<HD>(qr);
+        q = qr;
+      }
       for (int d = 0; d < HD; ++d) qt[d * JP + j] = j < J ? q[d] : 0.0f;
     }
   }
@@ -227,6 +233,9 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
       }
     }
   }
+  // Back from H's frame; before the split runs' merge too, which is linear in these sums.
+  if constexpr (Rd::kRotated)
+    for (int64_t j = 0; j < J; ++j) tm_kv::hadamard<HD>(accb + j * HD);
   if (partial != nullptr) {  // [J][HD + 2]: the unnormalised sum, the max, the sum of weights
     for (int64_t j = 0; j < J; ++j) {
       float* __restrict pj = partial + j * (HD + 2);
