@@ -30,7 +30,7 @@ import torch
 
 from tokenmill.bench.common import at_least
 from tokenmill.model import cpu_attention_kernel as kernel
-from tokenmill.model.kv_cache_format import KVCacheFormat
+from tokenmill.model.kv_cache_format import KVCacheFormat, rotate
 
 
 def make_inputs(fmt: KVCacheFormat, seqs: int, rows: int, context: int, kv_heads: int, group: int, head_dim: int,
@@ -82,13 +82,16 @@ def rounding_report(prompt_tokens: int) -> None:
     runner.execute([SeqChunk(ids, 0, list(range(runner.num_pages)), sample=True)])
     hd = runner.model.config.head_dim
     print(f"{len(ids)} held-out tokens; relative RMS error of int8 K/V rows (fp32 cache of the bundled model)")
-    print("layers    K per row  K per 32  V per row  V per 32")
+    # "rotated": a scale per row of H x (the shipped format; H orthonormal, so the relative error
+    # is the same in either frame)
+    print("layers    K per row  K per 32  K rotated  V per row  V per 32  V rotated")
     layers = runner.kv_caches
     for lo in range(0, len(layers), 10):
         k = torch.cat([c[0][:, : len(ids)] for c in layers[lo : lo + 10]])
         v = torch.cat([c[1][:, : len(ids)] for c in layers[lo : lo + 10]])
         print(f"{lo:2d}-{min(lo + 10, len(layers)) - 1:2d}     {group_error(k, hd):8.4f}  {group_error(k, 32):8.4f}  "
-              f"{group_error(v, hd):8.4f}  {group_error(v, 32):8.4f}")
+              f"{group_error(rotate(k), hd):9.4f}  {group_error(v, hd):8.4f}  {group_error(v, 32):8.4f}  "
+              f"{group_error(rotate(v), hd):9.4f}")
 
 
 def step_report(dtypes: list[str], streams: int, context: int, repeats: int, threads: int) -> None:

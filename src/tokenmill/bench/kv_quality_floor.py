@@ -7,7 +7,8 @@ against exact fp32, with the share of disagreements that are near-ties of the re
 runs the real kernels of fast mode in prefill (each chunk's attention reads the K/V just written to the
 cache, so every scored position sees quantized K/V): the int8 group sizes that have no kernel are
 simulated by an fp32 cache whose rows are rounded in place to exactly the numbers an int8 row with that
-grouping decodes to (`group=64` simulated next to the real int8 rows checks the simulation).
+grouping decodes to (`group=64` simulated next to the real int8 rows checks the simulation), of the
+rotated rows the format stores (kv_cache_format.py) or, the `plain` variants, of the values themselves.
 
 Windows of `--window` tokens start every `--window / 2` tokens and score only their second half, so
 every position of the text after the first half window is scored once, with at least half a window
@@ -30,18 +31,23 @@ from pathlib import Path
 import torch
 
 from tokenmill.model.kernels import fused_ops
+from tokenmill.model.kv_cache_format import rotate
 
 NEAR_TIE = 0.05  # the reference's top-2 logit margin under which a disagreement is a near-tie
-_SIM_GROUP: list[int | None] = [None]  # int8 group size the patched rope_store rounds to (None: off)
+# (int8 group size, rotated) the patched rope_store rounds to (None: off)
+_SIM: list[tuple[int, bool] | None] = [None]
 
 
-def fake_int8(rows: torch.Tensor, group: int) -> torch.Tensor:
+def fake_int8(rows: torch.Tensor, group: int, rotated: bool = True) -> torch.Tensor:
     """The values int8 rows with one scale per `group` values decode to (the C++ writer's rounding:
-    scale = amax / 127, code = round-half-even(x * 127 / amax), value = code * scale)."""
-    x = rows.float().reshape(*rows.shape[:-1], -1, group)
+    scale = amax / 127, code = round-half-even(x * 127 / amax), value = code * scale), of H x and
+    rotated back (the shipped format, kv_cache_format.py) or, not `rotated`, of x itself."""
+    x = rotate(rows) if rotated else rows.float()
+    x = x.reshape(*rows.shape[:-1], -1, group)
     amax = x.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return (torch.round(x * inv).clamp_(-127, 127) * (amax / 127)).reshape(rows.shape)
+    values = (torch.round(x * inv).clamp_(-127, 127) * (amax / 127)).reshape(rows.shape)
+    return rotate(values) if rotated else values
 
 
 def _install_simulation() -> None:
@@ -49,9 +55,9 @@ def _install_simulation() -> None:
 
     def rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots):
         q = real(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots)
-        if _SIM_GROUP[0] is not None:
+        if _SIM[0] is not None:
             for cache in (k_cache, v_cache):
-                cache[:, slots] = fake_int8(cache[:, slots], _SIM_GROUP[0])
+                cache[:, slots] = fake_int8(cache[:, slots], *_SIM[0])
         return q
 
     fused_ops.rope_store = rope_store
@@ -64,6 +70,7 @@ class Variant:
     kv_cache_dtype: str = "bf16"
     chunk: int | None = None  # prefill in chunks of this many tokens (None: one pass)
     sim_group: int | None = None  # fp32 cache rounded to int8 with this group size
+    sim_rotated: bool = True  # ... of H x (the shipped format), or of x
 
 
 VARIANTS = {
@@ -75,7 +82,10 @@ VARIANTS = {
         Variant("int8-row", kv_cache_dtype="int8"),
         Variant("sim-int8-row", kv_cache_dtype="fp32", sim_group=64),
         Variant("sim-int8-g32", kv_cache_dtype="fp32", sim_group=32),
-        Variant("sim-int8-g16", kv_cache_dtype="fp32", sim_group=16),
+        # the format before rows were rotated (docs/benchmarks.md's 2026-12-02 tables)
+        Variant("sim-int8-plain-row", kv_cache_dtype="fp32", sim_group=64, sim_rotated=False),
+        Variant("sim-int8-plain-g32", kv_cache_dtype="fp32", sim_group=32, sim_rotated=False),
+        Variant("sim-int8-plain-g16", kv_cache_dtype="fp32", sim_group=16, sim_rotated=False),
         Variant("exact", precision="exact", kv_cache_dtype="fp32"),
     )
 }
@@ -121,12 +131,12 @@ def window_logits(core, variant: Variant) -> Callable[[list[int], int], torch.Te
     def run(ids: list[int], first: int) -> torch.Tensor:
         pages = list(range(-(-len(ids) // runner.page_size)))
         step = variant.chunk or len(ids)
-        _SIM_GROUP[0] = variant.sim_group
+        _SIM[0] = None if variant.sim_group is None else (variant.sim_group, variant.sim_rotated)
         try:
             parts = [runner.execute([SeqChunk(ids[s:s + step], s, pages, sample=True, all_logits=True)])
                      for s in range(0, len(ids), step)]
         finally:
-            _SIM_GROUP[0] = None
+            _SIM[0] = None
         return torch.cat(parts)[first:-1]
 
     return run
