@@ -114,8 +114,6 @@ constexpr float kRoundShifter = 12582912.0f;
   ATTR void convert_##SUFFIX(const In* src, Out* dst, int64_t n) {                                   \
     _Pragma("omp simd") for (int64_t i = 0; i < n; ++i) put(dst, i, load(src, i));                   \
   }                                                                                                  \
-  /* x <- H x (kv_rotation.h), in this variant's vectors */                                         \
-  ATTR void rotate_##SUFFIX(float* x, int64_t n) { tm_kv::hadamard(x, n); }                          \
   /* an int8 cache row: scale = max|x| / 127 first, then the codes, rounded to nearest even */      \
   template <typename In>                                                                             \
   ATTR void quantize_row_##SUFFIX(const In* src, int8_t* row, int64_t n) {                           \
@@ -168,8 +166,7 @@ TF_INLINE void store_cache_row(bool wide, tm_kv::CacheFormat format, const In* s
         alignas(64) float x[256];
         if (wide) convert_avx512(src, x, n);
         else convert_base(src, x, n);
-        if (wide) rotate_avx512(x, n);
-        else rotate_base(x, n);
+        tm_kv::rotate(x, n);
         if (wide) quantize_row_avx512(static_cast<const float*>(x), dst, n);
         else quantize_row_base(static_cast<const float*>(x), dst, n);
       } else if (wide) {

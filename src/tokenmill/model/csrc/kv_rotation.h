@@ -5,8 +5,9 @@
 // levels; H spreads every channel over all of them, so the row's maximum is near its typical value.
 // H is symmetric and orthonormal, so attention never rotates the cache back: q . k = (H q) . (H k),
 // and sum_t w_t v_t = H (sum_t w_t H v_t). The kernels rotate each query vector once on its way in
-// and each output vector once on its way out (kv_cache_rows.h, kRotated); the writer rotates a row
-// before rounding it (fused_ops.h). Head dims 16-256 that are powers of two rotate; others do not.
+// and each output vector once on its way out (kv_cache_rows.h, kRotated: `hadamard`, inlined); the
+// writer rotates a row before rounding it (fused_ops.h: `rotate`). Head dims 16-256 that are powers
+// of two rotate; others do not.
 
 #include <cmath>
 #include <cstdint>
@@ -21,9 +22,10 @@ inline constexpr bool rotates(int64_t hd) { return hd == 16 || hd == 32 || hd ==
 // scale, on vectors of 16 floats. Strides under 16 pair lanes of one vector: y = x * sign + x[lane ^ h]
 // (sign -1 where lane & h) is a + b in the lower lane and a - b in the upper, exactly (a product by
 // +-1 is exact), so the result is the plain loops' to the bit (kv_cache_format.py's `rotate` too).
-// Plain loops took ~300 cycles a vector of 64: 15 % of a 16-row prompt run's attention.
-// Always inlined: a kernel compiled for AVX-512 (a target attribute) then gets it in AVX-512; a
-// call would run the baseline x86-64 copy (~40 ns a vector of 64 against ~5).
+// Always inlined: the kernels call it inside their AVX-512 variants (target attributes), and an
+// inline function without that attribute would be a call to its baseline copy there (~40 ns a
+// vector of 64 against ~8; a 16-row prompt run 15 % slower). Through `rotate` below (one copy per
+// target, picked at run time), a run of 16 rows measured 8-12 % slower than inlined.
 template <int N>
 inline __attribute__((always_inline)) void hadamard(float* __restrict x) {
   typedef float v16 __attribute__((vector_size(64)));
@@ -56,7 +58,7 @@ inline __attribute__((always_inline)) void hadamard(float* __restrict x) {
   }
 }
 
-// hadamard for a head dim known at run time (rotates(n) must hold); inlined like it.
+// hadamard for a head dim known at run time (rotates(n) must hold), inlined into the two copies below.
 inline __attribute__((always_inline)) void hadamard(float* x, int64_t n) {
   switch (n) {
     case 16: hadamard<16>(x); break;
@@ -65,6 +67,28 @@ inline __attribute__((always_inline)) void hadamard(float* x, int64_t n) {
     case 128: hadamard<128>(x); break;
     default: hadamard<256>(x); break;
   }
+}
+
+// What the writer calls (a few rows a token): one AVX-512 copy and one baseline copy, picked at run
+// time, whatever target its caller was compiled for.
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((noinline, target("arch=x86-64-v4,prefer-vector-width=512"))) inline void rotate_avx512(float* x, int64_t n) {
+  hadamard(x, n);
+}
+#endif
+__attribute__((noinline)) inline void rotate_base(float* x, int64_t n) { hadamard(x, n); }
+
+// x <- H x for head dim n (rotates(n) must hold).
+inline void rotate(float* x, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool wide = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  if (wide) return rotate_avx512(x, n);
+#endif
+  rotate_base(x, n);
 }
 
 }  // namespace tm_kv
