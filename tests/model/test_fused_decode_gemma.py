@@ -15,6 +15,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.factory import build_engine_core
 from tokenmill.model import fused_decode_gemma
 from tokenmill.model.kernels import decode_step
+from tokenmill.model.kv_cache_format import ROTATED_HEAD_DIMS, KVCacheFormat
 from tokenmill.model.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and AVX512-VNNI")
@@ -60,6 +61,26 @@ def test_fused_step_matches_the_layers_op_by_op(fast_runner):
     for (kf, vf), (ke, ve) in zip(fused_kv, runner.kv_caches):
         torch.testing.assert_close(kf.float(), ke.float(), atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(vf.float(), ve.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_fused_step_matches_the_layers_over_int8_rows(fast_runner):
+    # int8 rows hold codes of H x (kv_cache_format.py): the stack's writer and its attention rotate
+    # as the op-by-op path's do, past the window too
+    model = fast_runner.model
+    runner = ModelRunner(model, fast_runner.num_pages, fast_runner.page_size, torch.int8, prefill_as_decode_rows=True)
+    assert runner.kv_caches[0][0].dtype == torch.int8 and model.config.head_dim in ROTATED_HEAD_DIMS
+    prompts = [ids(37, 4), ids(21, 5), ids(50, 6)]
+    pages = prefill(runner, prompts)
+    model._decode_stack = None
+    fused, fused_kv, eager = run_both(runner, decode_chunks(prompts, pages))
+    assert model._decode_stack is not None and model._decode_stack.kv_caches is runner.kv_caches
+    torch.testing.assert_close(fused, eager, atol=2e-3 * eager.abs().max().item(), rtol=1e-3)
+    assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+    int8 = KVCacheFormat.named("int8")
+    for (kf, vf), (ke, ve) in zip(fused_kv, runner.kv_caches):
+        torch.testing.assert_close(int8.decode(kf), int8.decode(ke), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(int8.decode(vf), int8.decode(ve), atol=2e-2, rtol=1e-2)
+    model._decode_stack = None  # the other tests' runner binds its own caches
 
 
 def test_short_prompts_run_fused_as_decode_rows(fast_runner):
