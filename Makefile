@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test run serve lint bench stress clean
+.PHONY: setup kernels test run serve lint bench stress clean
 
 setup: $(STAMP)
 
@@ -21,14 +21,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi
 	touch $(STAMP)
 
-test: setup
+# The C++ kernels, built ahead of their first use, all compilers at once (a no-op when cached).
+kernels: setup
+	$(PY) -m tokenmill.model.kernels.cpp_build
+
+test: kernels
 	$(PY) -m pytest -q
 
-run: setup
+run: kernels
 	$(VENV)/bin/tokenmill chat
 
 # The OpenAI-compatible server on 127.0.0.1:8000 (override: make serve ARGS="--port 9000 --api-key k").
-serve: setup
+serve: kernels
 	$(VENV)/bin/tokenmill --log-level INFO serve $(ARGS)
 
 lint: setup

@@ -83,30 +83,83 @@ def local_headers(source: bytes, seen: set[str] | None = None) -> list[bytes]:
     return out
 
 
-def load_extension(name: str, what: str, logger: logging.Logger) -> bool:
-    """Build (once) and load csrc/{name}.cpp; `what` names it in log lines. False: use the fallback."""
+def library_path(name: str, compiler: str) -> Path:
+    """Where csrc/{name}.cpp's library is cached: a folder keyed by its source, the headers it
+    includes, the flags, torch's version, the compiler and the platform."""
+    source = (CSRC / f"{name}.cpp").read_bytes()
+    key_parts = [source, *local_headers(source), " ".join(_CXXFLAGS).encode(), torch.__version__.encode(), compiler.encode(),
+                 sys.platform.encode(), os.uname().machine.encode()]
+    key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
+    return cache_dir() / f"{name}-{key}" / f"{name}.so"
+
+
+def ensure_built(name: str, what: str, logger: logging.Logger) -> Path | None:
+    """csrc/{name}.cpp's cached library, built first if missing; None (one warning) where it cannot be."""
     if not sys.platform.startswith("linux"):
         logger.info("%s: only built on Linux; using the PyTorch path", what)
-        return False
+        return None
     try:
-        source_path = CSRC / f"{name}.cpp"
-        source = source_path.read_bytes()
         compiler = os.environ.get("CXX") or "c++"
-        key_parts = [source, *local_headers(source), " ".join(_CXXFLAGS).encode(), torch.__version__.encode(), compiler.encode(),
-                     sys.platform.encode(), os.uname().machine.encode()]
-        key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
-        folder = cache_dir() / f"{name}-{key}"
-        library = folder / f"{name}.so"
+        library = library_path(name, compiler)
         if not library.exists():
             if shutil.which(compiler) is None:
                 logger.warning("%s: no C++ compiler (%r) found; using the PyTorch path", what, compiler)
-                return False
-            _build(source_path, folder, library, compiler, what, logger)
+                return None
+            _build(CSRC / f"{name}.cpp", library.parent, library, compiler, what, logger)
+        return library
+    except Exception as exc:  # any failure means: fall back, never break the engine
+        logger.warning("%s unavailable (%s); using the PyTorch path", what, exc)
+        return None
+
+
+def load_extension(name: str, what: str, logger: logging.Logger) -> bool:
+    """Build (once) and load csrc/{name}.cpp; `what` names it in log lines. False: use the fallback."""
+    library = ensure_built(name, what, logger)
+    if library is None:
+        return False
+    try:
         torch.ops.load_library(str(library))
         return True
     except Exception as exc:  # any failure means: fall back, never break the engine
         logger.warning("%s unavailable (%s); using the PyTorch path", what, exc)
         return False
+
+
+def build_all(jobs: int, logger: logging.Logger) -> dict[str, bool]:
+    """Builds every csrc/*.cpp whose library is not cached yet, `jobs` compilers at a time (each
+    build is one single-threaded compiler run of 20 s to 2 min; on first use they would run one after
+    another). Nothing is loaded. Returns, per extension, whether its library is there now."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    # Largest sources (with their headers) first: decode_step and paged_attention take 1-3 minutes
+    # each, the others seconds, so on two cores the long ones start at once.
+    def size(name: str) -> int:
+        source = (CSRC / f"{name}.cpp").read_bytes()
+        return len(source) + sum(map(len, local_headers(source)))
+
+    names = sorted((p.stem for p in CSRC.glob("*.cpp")), key=size, reverse=True)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        built = pool.map(lambda n: ensure_built(n, f"{n} kernel", logger) is not None, names)
+        return dict(zip(names, built))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tokenmill.model.kernels.cpp_build [--jobs N]`: builds the kernels ahead of their first
+    use (`make setup` does, so a fresh machine's first test or server does not wait for them one by
+    one). Exit status 0 even where one cannot be built: the engine then runs that part in PyTorch."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="build the C++ kernels ahead of their first use")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compilers at a time")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start = time.monotonic()
+    result = build_all(args.jobs, logging.getLogger("tokenmill.kernels"))
+    missing = [name for name, ok in result.items() if not ok]
+    print(f"kernels: {len(result) - len(missing)} of {len(result)} ready in {time.monotonic() - start:.0f} s"
+          + (f" (not built: {', '.join(missing)}; those parts run in PyTorch)" if missing else ""))
+    return 0
+
 
 
 def _build(source: Path, folder: Path, library: Path, compiler: str, what: str, logger: logging.Logger) -> None:
@@ -127,3 +180,7 @@ def _build(source: Path, folder: Path, library: Path, compiler: str, what: str, 
     finally:
         tmp.unlink(missing_ok=True)
     logger.info("built the %s in %.1fs", what, time.monotonic() - start)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
