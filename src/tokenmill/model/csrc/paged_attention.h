@@ -12,12 +12,12 @@ namespace {
 // W: vector width in floats of the variant (16 for AVX-512, else 8); R: the cache reader.
 template <typename R, int W>
 TM_INLINE void attend_row(const Args& a, int64_t seq, int64_t kvh, float* scores, float* acc) {
-  switch (a.hd) {
-    case 64: attend_one_vec<R, 64, W>(a, seq, kvh, scores); break;
-    case 128: attend_one_vec<R, 128, W>(a, seq, kvh, scores); break;
-    case 256: attend_one_vec<R, 256, W>(a, seq, kvh, scores); break;
-    case 32: attend_one_vec<R, 32, W>(a, seq, kvh, scores); break;
-    case 16: attend_one_vec<R, 16, W>(a, seq, kvh, scores); break;
+  switch (a.hd) {  // acc: the rotated queries' room there (group * head_dim floats)
+    case 64: attend_one_vec<R, 64, W>(a, seq, kvh, scores, acc); break;
+    case 128: attend_one_vec<R, 128, W>(a, seq, kvh, scores, acc); break;
+    case 256: attend_one_vec<R, 256, W>(a, seq, kvh, scores, acc); break;
+    case 32: attend_one_vec<R, 32, W>(a, seq, kvh, scores, acc); break;
+    case 16: attend_one_vec<R, 16, W>(a, seq, kvh, scores, acc); break;
     default: attend_one_scalar<R>(a, seq, kvh, scores, acc);  // any other head_dim: plain loops
   }
 }

@@ -98,7 +98,8 @@ TM_INLINE void attend_one_scalar(const Args& a, int64_t seq, int64_t kvh, float*
 // a two-pass softmax, then out[g] = sum_pos e[g, pos] * v_pos in registers, normalised at the end.
 // `scores` holds G * (len + 1) floats.
 template <typename R, int HD, int W, int G>
-TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0, float* __restrict scores) {
+TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0, const float* __restrict q,
+                            float* __restrict scores) {
   constexpr int NC = HD / W;
   using V = Vec<W>;
   using E = typename R::Elem;
@@ -117,17 +118,8 @@ TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0,
   };
 
   V qg[G][NC];
-  if constexpr (R::kRotated) {  // H q: the frame the rows are stored in
-    alignas(64) float qr[HD];
-    for (int g = 0; g < G; ++g) {
-      std::memcpy(qr, it.q + g * HD, sizeof(qr));
-      tm_kv::hadamard<HD>(qr);
-      for (int c = 0; c < NC; ++c) qg[g][c] = loadv<W>(qr + W * c);
-    }
-  } else {
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < NC; ++c) qg[g][c] = loadv<W>(it.q + g * HD + W * c);
-  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) qg[g][c] = loadv<W>(q + g * HD + W * c);
 
   for (int64_t p = p0; p < std::min(p0 + kPrefetchPages, num_pages); ++p) prefetch_page(it.kbase + it.pages[p] * page_elems, page_bytes);
   for (int64_t p = p0; p < num_pages; ++p) {
@@ -186,27 +178,38 @@ TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0,
   for (int g = 0; g < G; ++g) {
     const float inv = scores[G * nv + g];
     for (int c = 0; c < NC; ++c) storev<W>(it.out + g * HD + W * c, acc[g][c] * inv);
-    if constexpr (R::kRotated) tm_kv::hadamard<HD>(it.out + g * HD);  // back from H's frame
   }
 }
 
 // A whole group through attend_heads: up to 4 heads a pass (more would spill the query registers),
 // so a group of 6 is two passes of 3 over the rows instead of six of one. At head_dim 256 (Gemma 3)
-// a head's query alone is 16 AVX-512 registers: 2 heads a pass.
+// a head's query alone is 16 AVX-512 registers: 2 heads a pass. Rows that hold H x (R::kRotated):
+// the group's queries are rotated into `qbuf` (group * HD floats) first and its outputs back after
+// the passes, here once per item rather than in every pass's instantiation.
 template <typename R, int HD, int W>
-TM_INLINE void attend_one_vec(const Args& a, int64_t seq, int64_t kvh, float* scores) {
+TM_INLINE void attend_one_vec(const Args& a, int64_t seq, int64_t kvh, float* scores, float* __restrict qbuf) {
   constexpr int64_t kMaxHeads = HD >= 256 ? 2 : 4;
   const int64_t group = a.group;
   const int64_t passes = (group + kMaxHeads - 1) / kMaxHeads;
+  const int64_t first = (seq * a.num_heads + kvh * group) * HD;
+  const float* q = a.q + first;
+  if constexpr (R::kRotated) {
+    std::memcpy(qbuf, q, static_cast<size_t>(group * HD) * sizeof(float));
+    for (int64_t g = 0; g < group; ++g) tm_kv::hadamard<HD>(qbuf + g * HD);
+    q = qbuf;
+  }
   for (int64_t pass = 0; pass < passes; ++pass) {
     const int64_t h0 = group * pass / passes, heads = group * (pass + 1) / passes - h0;
+    const float* qh = q + h0 * HD;
     switch (heads) {
-      case 1: attend_heads<R, HD, W, 1>(a, seq, kvh, h0, scores); break;
-      case 2: attend_heads<R, HD, W, 2>(a, seq, kvh, h0, scores); break;
-      case 3: if constexpr (kMaxHeads >= 3) attend_heads<R, HD, W, 3>(a, seq, kvh, h0, scores); break;
-      default: if constexpr (kMaxHeads >= 4) attend_heads<R, HD, W, 4>(a, seq, kvh, h0, scores); break;
+      case 1: attend_heads<R, HD, W, 1>(a, seq, kvh, h0, qh, scores); break;
+      case 2: attend_heads<R, HD, W, 2>(a, seq, kvh, h0, qh, scores); break;
+      case 3: if constexpr (kMaxHeads >= 3) attend_heads<R, HD, W, 3>(a, seq, kvh, h0, qh, scores); break;
+      default: if constexpr (kMaxHeads >= 4) attend_heads<R, HD, W, 4>(a, seq, kvh, h0, qh, scores); break;
     }
   }
+  if constexpr (R::kRotated)  // back from H's frame
+    for (int64_t g = 0; g < group; ++g) tm_kv::hadamard<HD>(a.out + first + g * HD);
 }
 
 }  // namespace
