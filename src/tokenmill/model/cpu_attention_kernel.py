@@ -4,7 +4,7 @@ Decode rows read K/V straight from the pages through the block table, instead of
 sequence's pages into padded tensors first (see attention.py); for a large decode batch the gather
 was most of a decode step.
 
-It is built and cached by model/kernels/cpp_build.py (once per machine, about half a minute). The
+It is built and cached by model/kernels/cpp_build.py (once per machine, a few minutes; `make kernels`). The
 kernel carries AVX-512 (with and without AVX512-BF16), AVX2 and baseline variants and picks one at run time. When it cannot be
 built or loaded, a warning is logged once and `available()` says False, so attention falls back to
 the PyTorch path. TOKENMILL_DISABLE_CPU_KERNEL=1 forces that fallback.

@@ -168,7 +168,7 @@ def _build(source: Path, folder: Path, library: Path, compiler: str, what: str, 
     # rename wins and every renamed file is complete, so no lock is needed.
     tmp = folder / f".{library.stem}.{os.getpid()}.{threading.get_ident()}.so"
     cmd = build_command(source, tmp, compiler)
-    logger.warning("building the %s (once; about half a minute) in %s", what, folder)
+    logger.warning("building the %s (once per source and machine; up to a few minutes) in %s", what, folder)
     start = time.monotonic()
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
