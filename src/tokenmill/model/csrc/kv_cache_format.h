@@ -1,7 +1,8 @@
 #pragma once
 // The KV cache formats the kernels read (kv_cache_rows.h) and the fused ops write (fused_ops.h), told
 // apart by the cache tensor's dtype: rows of fp32 or bf16 values, or int8 rows (a 4-byte fp32 scale,
-// then head_dim codes). The format is defined once, in tokenmill/model/kv_cache_format.py.
+// then head_dim codes of H x, kv_rotation.h). The format is defined once, in
+// tokenmill/model/kv_cache_format.py.
 
 #include "kv_rotation.h"
 

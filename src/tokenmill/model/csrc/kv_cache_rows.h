@@ -50,7 +50,8 @@ struct Bf16Rows {  // bf16 -> fp32 is a 16-bit shift into the high half
   static TM_INLINE float at(Row r, int64_t i) { return std::bit_cast<float>(static_cast<uint32_t>(r[i]) << 16); }
 };
 
-// int8: the row's fp32 scale (4 bytes, first), then head_dim codes; value = code * scale. The scale
+// int8: the row's fp32 scale (4 bytes, first), then head_dim codes; value = code * scale, a value of
+// H x (kv_rotation.h; kRotated: lanes() gives the stored, rotated values). The scale
 // is applied to each widened vector: one multiply per W values, which the grouped and run skeletons
 // pay once per row for all the query heads that share it.
 // int8 lanes -> int32 lanes, written as a lane list: GCC turns that into one vpmovsxbd, where it
