@@ -166,7 +166,7 @@ TF_INLINE void store_cache_row(bool wide, tm_kv::CacheFormat format, const In* s
         alignas(64) float x[256];
         if (wide) convert_avx512(src, x, n);
         else convert_base(src, x, n);
-        tm_kv::rotate(x, n);
+        tm_kv::rotate(x, n, wide);
         if (wide) quantize_row_avx512(static_cast<const float*>(x), dst, n);
         else quantize_row_base(static_cast<const float*>(x), dst, n);
       } else if (wide) {

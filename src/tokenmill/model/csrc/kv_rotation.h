@@ -69,8 +69,8 @@ inline __attribute__((always_inline)) void hadamard(float* x, int64_t n) {
   }
 }
 
-// What the writer calls (a few rows a token): one AVX-512 copy and one baseline copy, picked at run
-// time, whatever target its caller was compiled for.
+// What the writer calls (a few rows a token): one AVX-512 copy and one baseline copy, the caller's
+// pick, whatever target the caller itself was compiled for.
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((noinline, target("arch=x86-64-v4,prefer-vector-width=512"))) inline void rotate_avx512(float* x, int64_t n) {
   hadamard(x, n);
@@ -78,14 +78,10 @@ __attribute__((noinline, target("arch=x86-64-v4,prefer-vector-width=512"))) inli
 #endif
 __attribute__((noinline)) inline void rotate_base(float* x, int64_t n) { hadamard(x, n); }
 
-// x <- H x for head dim n (rotates(n) must hold).
-inline void rotate(float* x, int64_t n) {
+// x <- H x for head dim n (rotates(n) must hold); `wide`: the caller's check that the CPU has AVX-512
+// (fused_ops.h's use_avx512).
+inline void rotate(float* x, int64_t n, bool wide) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool wide = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  }();
   if (wide) return rotate_avx512(x, n);
 #endif
   rotate_base(x, n);

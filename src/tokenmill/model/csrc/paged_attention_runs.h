@@ -81,10 +81,12 @@ TM_INLINE void attend_run_items(const Args& a, int64_t row0, int64_t R, int64_t 
     alignas(64) float qr[HD];
     for (int64_t j = 0; j < JP; ++j) {
       const float* q = a.q + ((row0 + j / G) * a.num_heads + kvh * G + j % G) * HD;
-      if (Rd::kRotated && j < J) {  // H q: the frame the rows are stored in
-        std::memcpy(qr, q, sizeof(qr));
-        tm_kv::hadamard<HD>(qr);
-        q = qr;
+      if constexpr (Rd::kRotated) {  // H q: the frame the rows are stored in
+        if (j < J) {
+          std::memcpy(qr, q, sizeof(qr));
+          tm_kv::hadamard<HD>(qr);
+          q = qr;
+        }
       }
       for (int d = 0; d < HD; ++d) qt[d * JP + j] = j < J ? q[d] : 0.0f;
     }

@@ -145,8 +145,8 @@ def build_all(jobs: int, logger: logging.Logger) -> dict[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tokenmill.model.kernels.cpp_build [--jobs N]`: builds the kernels ahead of their first
-    use (`make setup` does, so a fresh machine's first test or server does not wait for them one by
-    one). Exit status 0 even where one cannot be built: the engine then runs that part in PyTorch."""
+    use (`make kernels` does, before `make test`, `serve` and `run`, so a fresh machine's first test or
+    server does not wait for them one by one). Exit status 0 even where one cannot be built: the engine then runs that part in PyTorch."""
     import argparse
 
     parser = argparse.ArgumentParser(description="build the C++ kernels ahead of their first use")
@@ -159,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kernels: {len(result) - len(missing)} of {len(result)} ready in {time.monotonic() - start:.0f} s"
           + (f" (not built: {', '.join(missing)}; those parts run in PyTorch)" if missing else ""))
     return 0
-
 
 
 def _build(source: Path, folder: Path, library: Path, compiler: str, what: str, logger: logging.Logger) -> None:
