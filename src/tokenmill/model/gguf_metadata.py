@@ -3,6 +3,7 @@
 gguf-py's GGUFReader makes one numpy part per element of every array: for a 262,144-token
 vocabulary (tokens, scores, types) that took close to a minute on a loaded 2-core machine. Here
 numeric arrays are one `numpy.frombuffer` each and strings are decoded in one pass over the header.
+`write_metadata_only` copies that header alone, for readers that must not see the tensor table.
 """
 
 from __future__ import annotations
@@ -15,18 +16,43 @@ import numpy as np
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_HEADER_BYTES = 24  # magic, version, tensor count, key-value count
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
     """Every metadata key: scalars as Python values, strings as str, numeric arrays as numpy arrays,
     string arrays as lists of str."""
     with open(path, "rb") as f:
-        head = f.read(24)
-        if len(head) < 24 or head[:4] != b"GGUF":
-            raise ValueError("not a GGUF file")
-        (count,) = struct.unpack_from("<Q", head, 16)
+        count = _key_count(f)
         reader = _Reader(f)
         return {reader.string(): reader.value(reader.u32()) for _ in range(count)}
+
+
+def write_metadata_only(path: str, dest: str) -> None:
+    """`dest`: a GGUF file with `path`'s metadata and no tensors. transformers builds a GGUF's
+    tokenizer through gguf-py's GGUFReader, which also parses the tensor table and refuses a file
+    holding a type it does not know (a newer llama.cpp's Q2_0): the tokenizer needs the metadata only."""
+    with open(path, "rb") as f:
+        count = _key_count(f)
+        reader = _Reader(f)
+        for _ in range(count):
+            reader.string()
+            reader.value(reader.u32())
+        end = f.tell()
+        f.seek(0)
+        magic_and_version = f.read(8)
+        f.seek(_HEADER_BYTES)
+        body = f.read(end - _HEADER_BYTES)
+    with open(dest, "wb") as out:
+        out.write(magic_and_version + struct.pack("<QQ", 0, count) + body)
+
+
+def _key_count(f) -> int:
+    """The header's key-value count, leaving `f` at the first key (ValueError if not a GGUF)."""
+    head = f.read(_HEADER_BYTES)
+    if len(head) < _HEADER_BYTES or head[:4] != b"GGUF":
+        raise ValueError("not a GGUF file")
+    return struct.unpack_from("<Q", head, 16)[0]
 
 
 class _Reader:

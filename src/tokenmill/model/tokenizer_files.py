@@ -91,12 +91,7 @@ def _load_gguf(path: str, meta: dict[str, Any] | None = None) -> TokenizerFiles:
             # converter, whose Gemma tokenizer gives other ids; nor is transformers imported for it.
             backend = _spm_backend(path, meta)
         else:
-            from transformers import AutoTokenizer  # load time only: it is slow to import
-
-            hf = AutoTokenizer.from_pretrained(
-                os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-            )
-            backend = _backend_of(hf, path)
+            backend = _backend_of(_transformers_gguf_tokenizer(path), path)
     except ModelLoadError:
         raise
     except Exception as exc:  # transformers raises many kinds; the user needs the file and the cause
@@ -114,6 +109,21 @@ def _load_gguf(path: str, meta: dict[str, Any] | None = None) -> TokenizerFiles:
         chat_template=meta.get("tokenizer.chat_template"),
         named_chat_templates=named,
     )
+
+
+def _transformers_gguf_tokenizer(path: str) -> Any:
+    """transformers' tokenizer of a GGUF, built from a copy of its metadata alone: its reader would
+    also parse the tensor table, and refuse tensor types gguf-py does not know yet (model/gguf_metadata.py)."""
+    import tempfile
+
+    from transformers import AutoTokenizer  # load time only: it is slow to import
+
+    from tokenmill.model.gguf_metadata import write_metadata_only
+
+    with tempfile.TemporaryDirectory(prefix="tokenmill-gguf-meta-") as tmp:
+        copy = os.path.join(tmp, os.path.basename(path))
+        write_metadata_only(path, copy)
+        return AutoTokenizer.from_pretrained(tmp, gguf_file=os.path.basename(copy), local_files_only=True)
 
 
 def _spm_backend(path: str, meta: dict[str, Any]) -> tokenizers.Tokenizer:
