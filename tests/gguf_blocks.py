@@ -6,10 +6,10 @@ from random blocks numerically tame, like an initialised one."""
 from __future__ import annotations
 
 import numpy as np
-from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from tokenmill.model.quant_formats import format_of
+from tokenmill.model.quant_formats import format_of, newer_types
+from tokenmill.model.quant_formats.registry import gguf_type
 
 # gguf-py can quantize these from float weights (the rest get random blocks).
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0", "MXFP4")
@@ -32,7 +32,9 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, scale: float =
             scales[:, i] = (scales[:, i] & 0x0FFF) | (((d >> (4 * i)) & 0xF) << 12)
         blocks[:, -8:] = scales.view(np.uint8)
     if std is not None and fmt.fp16_offsets:
-        factor = std / float(dequantize(blocks, GGMLQuantizationType[kind]).std())
+        values = (newer_types.dequantize(kind, blocks) if kind in newer_types.NEWER_TYPES
+                  else dequantize(blocks, gguf_type(kind)))
+        factor = std / float(values.std())
         for offset in fmt.fp16_offsets:
             field = blocks[:, offset : offset + 2].copy().view(np.float16).astype(np.float32) * factor
             blocks[:, offset : offset + 2] = field.astype(np.float16).view(np.uint8).reshape(-1, 2)

@@ -242,18 +242,22 @@ def _random_k_quant_blocks(kind: str, shape: tuple[int, int]) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * size)
 
 
-def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | None] | None = None) -> Path:
+def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | None] | None = None,
+                    dense_twin: Path | None = None) -> Path:
     """Convert a tiny HF folder to GGUF like llama.cpp does (q/k permutation for llama, rope_freqs for llama3).
 
     Embeddings go in as F16 (exercising a non-F32 path), everything else as F32; with `quant`
     ("Q4_0", "Q4_1", "Q8_0"; "Q4_K" and "Q6_K" as random blocks) every matrix, the embedding
     included, is stored in that type instead. `quant` may also map each matrix's HF name to its type
     (a llama-quantize-like mix): types gguf-py cannot quantize get random blocks (tests/gguf_blocks.py)
-    with the weights' spread, and "F16" / "BF16" / "F32" keep the values.
+    with the weights' spread, and "F16" / "BF16" / "F32" keep the values. `dense_twin` also writes the
+    same model with every quantized matrix as its exact fp32 values (a file transformers can read
+    when gguf-py cannot read a type of `out`).
     """
     import gguf
 
     from tests.gguf_blocks import QUANTIZABLE, random_blocks
+    from tokenmill.model.quant_formats import dequantize_rows, format_of
 
     model = reference_model(folder)
     c = model.config
@@ -261,29 +265,30 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | 
             "gemma3_text": "gemma3"}[c.model_type]
     gemma = arch.startswith("gemma")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    writer = gguf.GGUFWriter(os.fspath(out), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    writers = [gguf.GGUFWriter(os.fspath(path), arch) for path in (out, dense_twin) if path is not None]
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    if gemma:
-        writer.add_sliding_window(c.sliding_window)
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(c, key, None):
-                writer.add_float32(f"{arch}.{key}", getattr(c, key))
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_vocab_size(c.vocab_size)
-    writer.add_bos_token_id(c.bos_token_id)
-    writer.add_eos_token_id(c.eos_token_id)
-    if rope.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llamacpp_rope_freqs(c.rope_parameters, head_dim))
+    for writer in writers:
+        writer.add_block_count(c.num_hidden_layers)
+        writer.add_context_length(c.max_position_embeddings)
+        writer.add_embedding_length(c.hidden_size)
+        writer.add_feed_forward_length(c.intermediate_size)
+        writer.add_head_count(c.num_attention_heads)
+        writer.add_head_count_kv(c.num_key_value_heads)
+        writer.add_rope_freq_base(rope["rope_theta"])
+        if gemma:
+            writer.add_sliding_window(c.sliding_window)
+            for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if getattr(c, key, None):
+                    writer.add_float32(f"{arch}.{key}", getattr(c, key))
+        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_vocab_size(c.vocab_size)
+        writer.add_bos_token_id(c.bos_token_id)
+        writer.add_eos_token_id(c.eos_token_id)
+        if rope.get("rope_type") == "llama3":
+            writer.add_tensor("rope_freqs.weight", _llamacpp_rope_freqs(c.rope_parameters, head_dim))
     for name, tensor in reference_state_dict(model).items():
         w = tensor.numpy()
         if gemma and name.endswith("norm.weight"):
@@ -292,7 +297,7 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | 
             w = _llamacpp_permute(w, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
         kind = quant(name) if callable(quant) else quant
         if kind is not None and w.ndim == 2:
-            qtype = gguf.GGMLQuantizationType[kind]
+            qtype = gguf.GGMLQuantizationType.__members__.get(kind)
             if kind in _RANDOM_K_QUANTS and not callable(quant):
                 data = _random_k_quant_blocks(kind, w.shape)
             elif kind in QUANTIZABLE or kind in ("F32", "F16", "BF16"):
@@ -300,12 +305,21 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | 
             else:
                 seed = sum(map(ord, name))
                 data = random_blocks(kind, *w.shape, seed=seed, std=float(w.std()))
-            writer.add_tensor(_gguf_name(name, gemma), data, raw_shape=data.shape, raw_dtype=qtype)
+            if qtype is None or qtype not in gguf.GGML_QUANT_SIZES:  # a type gguf-py cannot size: raw id, shape as is
+                writers[0].add_tensor(_gguf_name(name, gemma), data.view(np.int8), raw_shape=w.shape,
+                                      raw_dtype=format_of(kind).type_id)
+            else:
+                writers[0].add_tensor(_gguf_name(name, gemma), data, raw_shape=data.shape, raw_dtype=qtype)
+            if dense_twin is not None:
+                values = dequantize_rows(kind, data.reshape(w.shape[0], -1).view(np.uint8), w.shape[1]).numpy()
+                writers[1].add_tensor(_gguf_name(name, gemma), np.ascontiguousarray(values))
             continue
         w = w.astype(np.float16) if name == "model.embed_tokens.weight" else w.astype(np.float32)
-        writer.add_tensor(_gguf_name(name, gemma), np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        for writer in writers:
+            writer.add_tensor(_gguf_name(name, gemma), np.ascontiguousarray(w))
+    for writer in writers:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     return out

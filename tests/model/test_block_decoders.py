@@ -7,8 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
 
 from tokenmill.model.kernels import quant_kernel
 from tokenmill.model.layers.quantized_linear import (
@@ -17,6 +15,7 @@ from tokenmill.model.layers.quantized_linear import (
     QuantizedLinear,
 )
 from tokenmill.model.quant import KERNEL_TYPES, BlockedWeight, to_blocked_gguf
+from tokenmill.model.quant_formats import dequantize_rows, format_of
 
 pytestmark = pytest.mark.skipif(not quant_kernel.vnni_available(), reason="no AVX512-VNNI kernel here")
 
@@ -24,14 +23,24 @@ pytestmark = pytest.mark.skipif(not quant_kernel.vnni_available(), reason="no AV
 FP16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
+    "Q1_0": (0,), "Q2_0": (0,),
 }
 TYPES = sorted(KERNEL_TYPES)
 SUPER = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
 
 
+def width(kind: str, legacy: int, super_block: int) -> int:
+    """A test's K: `super_block` for 256-wide formats, else `legacy` (32-wide blocks), rounded up to
+    whole blocks for Q2_0 / Q1_0 (64 / 128 inputs a block)."""
+    if kind in SUPER:
+        return super_block
+    block = format_of(kind).block_elems
+    return -(-legacy // block) * block
+
+
 def random_blocks(kind: str, n: int, k: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
     """uint8 [n, row bytes] of random blocks whose fp16 scales are finite (~scale, either sign)."""
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    block, size = format_of(kind).block_elems, format_of(kind).block_bytes
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
     for at in FP16_FIELDS[kind]:
@@ -41,8 +50,8 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0, scale: float = 0.01)
 
 def weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[BlockedWeight, torch.Tensor, int]:
     raw = random_blocks(kind, n, k, seed)
-    ref = dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
-    return to_blocked_gguf(kind, torch.from_numpy(raw), (n, k)), torch.from_numpy(ref), raw.nbytes
+    ref = dequantize_rows(kind, raw, k)  # gguf-py's values (ggml's for the types it lacks), tested bit for bit
+    return to_blocked_gguf(kind, torch.from_numpy(raw), (n, k)), ref, raw.nbytes
 
 
 def two_term_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -64,7 +73,7 @@ def two_term_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_relayout_is_lossless(kind):
-    k = 512 if kind in SUPER else 160
+    k = width(kind, 160, 512)
     bw, ref, file_bytes = weight(kind, 48, k)
     assert bw.kind == kind and bw.shape == (48, k)
     ids = torch.arange(48)
@@ -82,7 +91,7 @@ def test_kernel_within_activation_rounding(kind, rows):
     # threads split rows; a prompt's rows run this kernel too with prompt_gemm "vnni" (every format's
     # choice then; "auto" picks it for codes wider than 4 bits).
     # K = 768 for super-blocks (3 of them), 160 (a ragged group) otherwise.
-    k = 768 if kind in SUPER else 160
+    k = width(kind, 160, 768)
     bw, ref, _ = weight(kind, 64, k, seed=rows)
     x = torch.randn(rows, k)
     x[0, 32:64] = 0  # a group of zeros: scale 0, not a division by zero
@@ -99,7 +108,7 @@ def test_a_rows_result_does_not_depend_on_its_tile(kind):
     # every tile shape (1-2 rows: both halves at once in two chains; from 3 rows: one chain, or for
     # Q2_K / Q3_K / Q6_K the group's two halves in turn, csrc/quant_vnni.h half_tile): so each row of
     # 11 (tiles of 6 + 5) and of 24 (threads split rows) equals that row alone, bit for bit.
-    k = 768 if kind in SUPER else 160
+    k = width(kind, 160, 768)
     bw, _, _ = weight(kind, 48, k, seed=7)
     for rows in (11, 24):
         x = torch.randn(rows, k)
@@ -110,7 +119,7 @@ def test_a_rows_result_does_not_depend_on_its_tile(kind):
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_prompt_rows_can_run_bf16_gemm_on_the_file_values(kind):
-    k = 512 if kind in SUPER else 160
+    k = width(kind, 160, 512)
     bw, ref, _ = weight(kind, 32, k, seed=3)
     rows = BLOCKED_DENSE_MIN_ROWS + 8
     x = torch.randn(rows, k)
@@ -128,12 +137,13 @@ def test_prompt_rows_can_run_bf16_gemm_on_the_file_values(kind):
 AUTO_PROMPT_GEMM = {
     "Q2_K": "vnni", "Q3_K": "vnni", "Q4_0": "vnni", "Q4_1": "bf16", "Q4_K": "vnni", "IQ4_NL": "bf16",
     "IQ4_XS": "bf16", "Q5_0": "vnni", "Q5_1": "vnni", "Q5_K": "vnni", "Q6_K": "vnni", "Q8_0": "vnni",
+    "Q2_0": "vnni", "Q1_0": "vnni",
 }
 
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_prompt_rows_take_their_formats_path_unless_one_is_asked_for(kind):
-    k = 256 if kind in SUPER else 64
+    k = width(kind, 64, 256)
     bw, _, _ = weight(kind, 32, k, seed=4)
     x = torch.randn(BLOCKED_DENSE_MIN_ROWS, k)
     kernel = quant_kernel.blocked_linear(x, bw)
@@ -157,7 +167,7 @@ def test_unknown_prompt_gemm_is_named():
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_embedding_rows(kind):
-    k = 256 if kind in SUPER else 96
+    k = width(kind, 96, 256)
     bw, ref, _ = weight(kind, 32, k, seed=5)
     ids = torch.tensor([0, 31, 16, 5, 16, 17])
     assert torch.equal(QuantizedEmbedding(bw)(ids), ref[ids])
@@ -179,7 +189,7 @@ def test_stacked_blocked_weights_equal_separate_ones():
 ])
 def test_shapes_that_do_not_fit_are_named(kind, shape, message):
     n, k = shape
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    block, size = format_of(kind).block_elems, format_of(kind).block_bytes
     raw = torch.zeros(n, max(1, k // block) * size, dtype=torch.uint8)
     with pytest.raises(ValueError, match=message):
         to_blocked_gguf(kind, raw, shape)
@@ -198,13 +208,13 @@ def test_conversion_in_row_chunks_is_the_same_weight(kind, monkeypatch):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q2_0", "Q1_0"])
 def test_shards_hold_the_file_values(kind):
-    k = 768 if kind in SUPER else 192
+    k = width(kind, 192, 768)
     bw, ref, _ = weight(kind, 64, k, seed=9)
     rows = bw.row_slice(16, 48)
     assert torch.equal(quant_kernel.blocked_rows(rows, torch.arange(32)), ref[16:48])
-    cut = 256 if kind in SUPER else 64
+    cut = 256 if kind in SUPER else max(64, format_of(kind).block_elems)
     cols = bw.column_slice(cut, k)
     assert cols.shape == (64, k - cut)
     assert torch.equal(quant_kernel.blocked_rows(cols, torch.arange(64)), ref[:, cut:])

@@ -1,8 +1,9 @@
 """Tiny GGUF files mixing tensor types the way llama-quantize does (Q4_K_M, Q5_K_M, Q6_K, Q3_K_M,
-IQ4_XS, Q2_K, and a mix with types that have no kernel), written by the test, through the whole
-engine: exact mode greedy-identical to transformers reading the same file, fast mode agreeing with
-exact, each matrix run as the kernels' layout or the documented bf16 fallback, and the draft model
-of speculative decoding loading the same way.
+IQ4_XS, Q2_K, a mix of the 1- and 2-bit types newer than gguf-py, and a mix with types that have no
+kernel), written by the test, through the whole engine: exact mode greedy-identical to transformers
+reading the same file (for the newer types, which transformers cannot read, the same model written
+with their exact fp32 values), fast mode agreeing with exact, each matrix run as the kernels' layout
+or the documented bf16 fallback, and the draft model of speculative decoding loading the same way.
 
 Shapes are tiny but K-quant-able (rows of 256 and 512 weights). Types gguf-py can quantize hold the
 tiny model's own weights; the others hold random blocks with the weights' spread (tests/gguf_blocks.py).
@@ -23,6 +24,7 @@ from tokenmill.engine.factory import build_engine_core
 from tokenmill.model.layers.dense_linear import DenseLinear
 from tokenmill.model.layers.factory import kernel_types
 from tokenmill.model.layers.quantized_linear import QuantizedLinear
+from tokenmill.model.quant_formats.newer_types import NEWER_TYPES
 from tokenmill.model.runner import SeqChunk
 from tokenmill.sample.sampling_params import SamplingParams
 
@@ -36,6 +38,8 @@ MIXES: dict[str, dict[str, str]] = {
     "Q3_K_M": {"embed": "Q3_K", "lm_head": "Q6_K", "v_proj": "Q5_K", "down": "Q4_K", "o_proj": "Q4_0", "": "Q3_K"},
     "IQ4_XS": {"lm_head": "Q6_K", "o_proj": "IQ4_NL", "": "IQ4_XS"},
     "Q2_K": {"embed": "Q2_K", "lm_head": "Q6_K", "v_proj": "Q3_K", "down": "Q4_K", "gate": "Q4_1", "": "Q2_K"},
+    # ggml's 1-bit and 2-bit types (gguf-py 0.19 cannot dequantize Q1_0 nor read Q2_0)
+    "Q1_0": {"embed": "Q2_0", "lm_head": "Q6_K", "down": "Q2_0", "v_proj": "Q2_0", "": "Q1_0"},
     # no kernel for IQ2_XXS / IQ3_S / TQ2_0: bf16 with a warning; F16 / BF16 stay 16-bit
     "no-kernel": {"embed": "F16", "lm_head": "BF16", "q_proj": "IQ2_XXS", "down": "IQ3_S", "up": "TQ2_0", "": "Q4_K"},
 }
@@ -53,7 +57,9 @@ def mix_file(request, tmp_path_factory) -> tuple[str, Path, Path]:
     folder = make_tiny_model(tmp, "llama", tokenizer=False, hidden_size=256, intermediate_size=512,
                              vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2)
     mix = MIXES[request.param]
-    path = write_tiny_gguf(folder, tmp / f"{request.param}.gguf", quant=lambda name: type_of(mix, name))
+    twin = tmp / f"{request.param}-fp32.gguf" if set(mix.values()) & set(NEWER_TYPES) else None
+    path = write_tiny_gguf(folder, tmp / f"{request.param}.gguf", quant=lambda name: type_of(mix, name),
+                           dense_twin=twin)
     return request.param, folder, path
 
 
@@ -90,7 +96,9 @@ def all_logits(core, ids: list[int]) -> torch.Tensor:
 
 def test_exact_mode_is_token_identical_to_transformers(mix_file):
     _, folder, path = mix_file
-    assert greedy(engine(path, "exact"), PROMPT, 12) == transformers_greedy(folder, path, PROMPT, 12)
+    twin = path.with_name(path.stem + "-fp32.gguf")  # the values of a file transformers cannot read
+    reference = transformers_greedy(folder, twin if twin.exists() else path, PROMPT, 12)
+    assert greedy(engine(path, "exact"), PROMPT, 12) == reference
 
 
 def test_fast_mode_runs_each_matrix_as_its_kernel_or_bf16(mix_file, caplog):

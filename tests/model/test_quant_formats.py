@@ -102,3 +102,52 @@ def _gguf_type(kind: str):
     from gguf.constants import GGMLQuantizationType
 
     return GGMLQuantizationType[kind]
+
+
+# ---- types newer than the gguf package (quant_formats/newer_types.py) -------------------------------
+
+def ggml_reference(kind: str, raw: np.ndarray) -> np.ndarray:
+    """ggml-quants.c's dequantize_row_q1_0 / q2_0, element by element as the C loops write them."""
+    size, qk = {"Q1_0": (18, 128), "Q2_0": (18, 64)}[kind]
+    blocks = raw.reshape(-1, size)
+    out = np.empty(len(blocks) * qk, np.float32)
+    for i, b in enumerate(blocks):
+        d = np.float32(b[0:2].view(np.float16)[0])
+        for j in range(qk):
+            if kind == "Q1_0":
+                out[i * qk + j] = d if (b[2 + j // 8] >> (j % 8)) & 1 else -d
+            else:
+                out[i * qk + j] = np.float32(int((b[2 + j // 4] >> (2 * (j % 4))) & 3) - 1) * d
+    return out
+
+
+@pytest.mark.parametrize("kind", ["Q1_0", "Q2_0"])
+def test_newer_types_dequantize_as_ggml_does(kind):
+    block = format_of(kind).block_elems
+    raw = random_blocks(kind, 3, 2 * block, seed=11)
+    raw[0, 0:2] = np.array([0.0], np.float16).view(np.uint8)  # d = +0: ggml's -d is -0.0
+    raw[1, 18:20] = np.array([-0.0], np.float16).view(np.uint8)
+    theirs = ggml_reference(kind, raw).reshape(3, 2 * block)
+    ours = dequantize_rows(kind, raw, 2 * block)
+    assert np.array_equal(bits(ours), bits(theirs))
+    assert format_of(kind).block_bytes == 18 and format_of(kind).row_bytes(2 * block) == 36
+
+
+def test_a_tensor_type_nobody_knows_is_named_not_called_corrupt(tmp_path):
+    import gguf
+
+    from tokenmill.errors import ModelLoadError
+    from tokenmill.model.gguf_loader import load_gguf
+
+    path = tmp_path / "future.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    # int8 bytes keep the shape as given: gguf-py cannot size a type it does not know
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((2, 18), np.int8), raw_shape=(2, 32), raw_dtype=250)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"unsupported tensor type: tensor 'blk.0.attn_q.weight': GGML "
+                                             r"tensor type 250 is unknown") as e:
+        load_gguf(str(path))
+    assert "corrupt" not in str(e.value)

@@ -6,16 +6,19 @@ output columns and group of 32 inputs, the unsigned codes of those 512 weights (
 laid as csrc/quant_blocks.h describes), and the numbers that scale them:
 
 - 32-wide formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): fp16 `scales` (and `mins`) per group;
+- Q2_0 and Q1_0 (blocks of 64 and 128 inputs, one fp16 d each): `scales` per block, as the file has them;
 - 256-wide super-blocks (Q2_K .. Q6_K, IQ4_XS): fp16 `scales` (d) and `mins` (dmin) per super-block
   and the file's integer sub-block scales in `subs`, one byte each (6-bit ones unpacked to a byte:
   Q4_K's 12 bytes become 16, ~3% of the tensor; Q2_K's nibble pairs stay packed).
 
 value = scale x (code - offset) + min, where the per-format offset (16 for Q5_0, 32 for Q6_K, 128 for
-Q8_0 and the IQ4 codebook's bytes, ...) is subtracted by the kernels in integer arithmetic. Every
+Q8_0 and the IQ4 codebook's bytes, 1 for Q2_0 and Q1_0, whose bit b the kernels read as the code 2 b,
+...) is subtracted by the kernels in integer arithmetic. Every
 value is the one gguf-py's `dequantize` gives (tests/model/test_block_decoders.py), and memory stays
 within ~1.04x of the file's bytes.
 
-The unpackers below follow gguf-py's `quants.py` (the bit-exact reference) for where each bit sits.
+The unpackers below follow gguf-py's `quants.py` (the bit-exact reference) for where each bit sits,
+and ggml's own block structs for the types gguf-py does not know yet (quant_formats/newer_types.py).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
+
+from tokenmill.model.quant_formats import format_of, newer_types
 
 COLS = 16
 GROUP = 32
@@ -38,13 +42,19 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 @dataclass(frozen=True)
 class BlockFormat:
     """What the kernels need to know of a GGUF type: its decoder id in csrc/quant_blocks.h, bits per
-    code, whether its scales are per super-block (with `subs` bytes per super-block and column)."""
+    code, whether its scales are per super-block (with `subs` bytes per super-block and column), and
+    how many groups of 32 share one scale record (csrc/quant_blocks.h `fmt_scale_groups`)."""
 
     fmt: int
     bits: int
     super_block: bool
     subs: int = 0  # sub-block scale bytes per super-block and column
     has_mins: bool = False
+    scale_groups: int = 1
+
+    def __post_init__(self) -> None:
+        if self.super_block:
+            object.__setattr__(self, "scale_groups", SUPER // GROUP)
 
 
 # The ids are csrc/quant_blocks.h's `Fmt` (4 and 8 keep the meaning of the bit widths they replace).
@@ -61,7 +71,11 @@ FORMATS: dict[str, BlockFormat] = {
     "Q5_K": BlockFormat(23, 5, True, 16, True),
     "Q6_K": BlockFormat(24, 6, True, 16),
     "IQ4_XS": BlockFormat(25, 4, True, 8),
+    "Q2_0": BlockFormat(13, 2, False, scale_groups=2),
+    "Q1_0": BlockFormat(14, 1, False, scale_groups=4),
 }
+# Groups of 32 a scale record covers, by decoder id (weights quantized at load: 1).
+_SCALE_GROUPS = {f.fmt: f.scale_groups for f in FORMATS.values()}
 
 
 @dataclass
@@ -116,11 +130,16 @@ class BlockedWeight:
         return BlockedWeight(cut(self.codes), cut(self.scales), cut(self.mins), self.bits, self.kind,
                              (end - start, self.shape[1]), cut(self.subs), self.fmt)
 
+    @property
+    def scale_width(self) -> int:
+        """Inputs one scale record covers: 32, 256 for super-blocks, Q2_0's 64, Q1_0's 128."""
+        return GROUP * _SCALE_GROUPS.get(self.fmt, 1)
+
     def column_slice(self, start: int, end: int) -> BlockedWeight:
         """Inputs [start, end) (a row-parallel shard). Both ends on the format's block (32, or 256 for
-        super-blocks, which share one d and sub-block scales and are never split): every value keeps
-        its own scales, the shard holds exactly the file's numbers."""
-        width = SUPER if self.subs is not None else GROUP
+        super-blocks, which share one d and sub-block scales and are never split, 64 / 128 for Q2_0 /
+        Q1_0): every value keeps its own scales, the shard holds exactly the file's numbers."""
+        width = self.scale_width
         if start % width or end % width:
             raise ValueError(f"a {self.kind} weight's inputs [{start}, {end}) would split its blocks of {width}")
         g0, g1 = start // GROUP, end // GROUP
@@ -139,7 +158,7 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     Quad j of a group (inputs 4j..4j+3) of a block is 64 bytes, byte 4c + e = column c, input 4j + e.
     The low bits of the 8 quads go in nibbles (zmm t: quad t low, quad t + 4 high) or crumbs (zmm t of
     2: quad t + 2s at bits 2s); a 5th / 3rd bit in one plane (bit j = quad j); Q6_K's top two bits in
-    crumbs again, after the nibbles. 8-bit codes are the quads as they are."""
+    crumbs again, after the nibbles. 8-bit codes are the quads as they are; 1-bit codes one plane."""
     n, k = q.shape
     g = k // GROUP
     quads = q.reshape(n // COLS, COLS, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // COLS, g, 8, 64)
@@ -160,6 +179,8 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 
     if bits == 8:
         parts = [quads]
+    elif bits == 1:
+        parts = [plane(quads)]
     elif bits == 2:
         parts = [crumbs(quads)]
     elif bits == 3:
@@ -210,6 +231,9 @@ def _unpack(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
         return q.reshape(n, -1), d, m, None
     if kind == "IQ4_NL":
         return _nibbles32(b[..., 2:]).reshape(n, -1), _f16(b[..., 0:2]), None, None
+    if kind in newer_types.NEWER_TYPES:  # Q2_0's crumbs, Q1_0's bits; d per block of 64 / 128
+        d, q = newer_types.codes(kind, b)
+        return q.reshape(n, -1), d, None, None
     if kind == "Q2_K":
         scales, qs = b[..., 0:16], b[..., 16:80]
         q = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
@@ -260,7 +284,7 @@ def blocked_from_file(kind: str, raw: torch.Tensor | np.ndarray, shape: tuple[in
     f = FORMATS.get(kind)
     if f is None:
         raise ValueError(f"GGUF type {kind} has no kernel (kernel types: {', '.join(sorted(FORMATS))})")
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    block, size = format_of(kind).block_elems, format_of(kind).block_bytes
     if n % COLS or k % block:
         raise ValueError(f"a {kind} weight of shape {shape} does not fit the blocked layout: needs N % {COLS} == 0 "
                          f"and K % {block} == 0")

@@ -16,7 +16,8 @@ from math import prod
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from tokenmill.model.quant_formats.registry import format_by_id
 
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
@@ -40,8 +41,13 @@ class GGUFFile:
     tensors: list[GGUFTensor]
 
 
+class UnknownTensorType(ValueError):
+    """A tensor of a GGML type no table here knows: the file may be whole, but it cannot be read."""
+
+
 def read_gguf(path: str) -> GGUFFile:
-    """ValueError (or struct.error) on a file that is not whole: a truncated header or tensor data."""
+    """ValueError (or struct.error) on a file that is not whole: a truncated header or tensor data;
+    UnknownTensorType for a type id neither gguf-py nor quant_formats knows."""
     blob = np.memmap(path, mode="r", dtype=np.uint8)
     if bytes(blob[:4]) != b"GGUF":
         raise ValueError("not a GGUF file")
@@ -61,17 +67,20 @@ def read_gguf(path: str) -> GGUFFile:
         shape = struct.unpack_from(f"<{dims}Q", blob, pos + 4)
         type_id, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
         pos += 4 + 8 * dims + 12
-        table.append((name, tuple(int(d) for d in reversed(shape)), GGMLQuantizationType(type_id), offset))
+        try:
+            qformat = format_by_id(type_id)
+        except ValueError as e:
+            raise UnknownTensorType(f"tensor {name!r}: {e}") from None
+        table.append((name, tuple(int(d) for d in reversed(shape)), qformat, offset))
     alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
     start = -(-pos // alignment) * alignment
     tensors = []
-    for name, shape, qtype, offset in table:
-        elems, size = GGML_QUANT_SIZES[qtype]
-        nbytes = prod(shape) // elems * size
+    for name, shape, qformat, offset in table:
+        nbytes = prod(shape) // qformat.block_elems * qformat.block_bytes
         begin = start + offset
         if begin + nbytes > len(blob):
             raise ValueError(f"tensor {name!r} ends at byte {begin + nbytes}, past the file's end ({len(blob)})")
-        tensors.append(GGUFTensor(name, qtype.name, shape, blob[begin : begin + nbytes]))
+        tensors.append(GGUFTensor(name, qformat.name, shape, blob[begin : begin + nbytes]))
     return GGUFFile(metadata, tensors)
 
 

@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import gemma_files, moe_files
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.gguf_file import GGUFFile, read_gguf
+from tokenmill.model.gguf_file import GGUFFile, UnknownTensorType, read_gguf
 from tokenmill.model.quant_formats import GGUFWeight, format_of
 
 GGUF_MAGIC = b"GGUF"
@@ -65,6 +65,9 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str]
     _check_magic(path)
     try:
         reader = read_gguf(path)
+    except UnknownTensorType as e:
+        raise ModelLoadError(path, f"unsupported tensor type: {e}; re-quantize the model to a type "
+                                   f"llama.cpp and gguf-py both know (e.g. Q4_K_M)") from e
     except Exception as e:  # the reader fails in many ways (struct, memmap, index) on a bad file
         raise ModelLoadError(path, f"corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
     arch = _meta(reader, "general.architecture")

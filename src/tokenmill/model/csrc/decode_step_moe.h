@@ -186,7 +186,7 @@ TV_TARGET inline float dot(const float* a, const float* b, int64_t n) {
 inline tm_vnni::Weights from_block(const tm_vnni::Weights& w, int64_t nb) {
   tm_vnni::Weights v = w;
   const bool super = tm_vnni::fmt_super(w.fmt);
-  const int64_t scale_rows = super ? w.G / tm_vnni::kSuper : w.G;  // scale records per block
+  const int64_t scale_rows = w.G / tm_vnni::fmt_scale_groups(w.fmt);  // scale records per block
   v.codes += nb * w.G * w.bits * 64;
   v.scales += nb * scale_rows * tm_vnni::kCols;
   if (w.mins != nullptr) v.mins += nb * scale_rows * tm_vnni::kCols;

@@ -7,7 +7,8 @@
 //   pair<J>(): the unsigned codes of quads J and J + 4 (4 inputs x 16 columns each, byte 4c + e =
 //              column c, input 4 J + e), the bytes vpdpbusd takes;
 //   scales() / mins(): per sub-block of the group (kSubs = 1, or 2 of 16 inputs for Q2_K, Q3_K,
-//              Q6_K), 16 columns' fp32 scale and min.
+//              Q6_K), 16 columns' fp32 scale and min (one scale record may cover several groups:
+//              `fmt_scale_groups`, 8 for super-blocks, 2 for Q2_0's blocks of 64, 4 for Q1_0's 128).
 // value = scale * (code - kOffset) + min; the kernels subtract kOffset in integers (the dot product
 // starts from -kOffset * sum(x)), so it costs nothing per weight.
 //
@@ -15,6 +16,7 @@
 //   2 bits: 2 zmm, zmm t holds quad t + 2s at bits 2s..2s+1 (s = 0..3);
 //   4 bits: 4 zmm, zmm t holds quad t in its low nibbles and quad t + 4 in its high nibbles;
 //   8 bits: 8 zmm, quad j as it is;
+//   1 bit: one plane of 64 bytes whose bit j is quad j's code (Q1_0, read as the code 2 b, offset 1);
 //   3 bits = the 2-bit part + a plane of 64 bytes whose bit j is bit 2 of quad j's code;
 //   5 bits = the 4-bit part + a plane (bit 4); 6 bits = the 4-bit part + a 2-bit part (bits 4, 5).
 // Sub-block scales (`subs`, one byte per sub-block and column) and super-block d / dmin are the
@@ -36,7 +38,7 @@ constexpr int64_t kSuper = 8;  // groups of 32 in a 256-wide super-block
 
 // Decoder ids (model/blocked_formats.py FORMATS): 4 and 8 are the legacy int4 / int8 layouts.
 enum Fmt : int {
-  kQ4 = 4, kQ8 = 8, kQ5_0 = 10, kQ5_1 = 11, kIQ4NL = 12,
+  kQ4 = 4, kQ8 = 8, kQ5_0 = 10, kQ5_1 = 11, kIQ4NL = 12, kQ2_0 = 13, kQ1_0 = 14,
   kQ2K = 20, kQ3K = 21, kQ4K = 22, kQ5K = 23, kQ6K = 24, kIQ4XS = 25,
 };
 
@@ -55,13 +57,16 @@ inline int fmt_bits(int fmt) {
     case kQ4: case kIQ4NL: case kQ4K: case kIQ4XS: return 4;
     case kQ8: return 8;
     case kQ5_0: case kQ5_1: case kQ5K: return 5;
-    case kQ2K: return 2;
+    case kQ2K: case kQ2_0: return 2;
+    case kQ1_0: return 1;
     case kQ3K: return 3;
     case kQ6K: return 6;
     default: return 0;
   }
 }
 inline bool fmt_super(int fmt) { return fmt >= kQ2K; }
+// Groups of 32 inputs one scale record covers (model/blocked_formats.py BlockFormat.scale_groups).
+inline int64_t fmt_scale_groups(int fmt) { return fmt_super(fmt) ? kSuper : fmt == kQ2_0 ? 2 : fmt == kQ1_0 ? 4 : 1; }
 inline int fmt_subs(int fmt) { return fmt == kIQ4XS ? 8 : 16; }  // sub-block bytes per super-block
 // Whether the format has mins: required (K-quants with mins), allowed (legacy Q4: Q4_0's -8 d), never.
 inline int fmt_mins(int fmt) { return fmt == kQ4 ? 1 : (fmt == kQ5_1 || fmt == kQ2K || fmt == kQ4K || fmt == kQ5K) ? 2 : 0; }
@@ -84,6 +89,10 @@ TV_TARGET TV_INLINE void pair_codes(const uint8_t* p, __m512i& lo, __m512i& hi) 
   if constexpr (Bits == 8) {
     lo = _mm512_loadu_si512(p + J * 64);
     hi = _mm512_loadu_si512(p + (J + 4) * 64);
+  } else if constexpr (Bits == 1) {  // bit J (J + 4) of each byte to bit 1: the code 2 b
+    const __m512i two = _mm512_set1_epi8(0x02), v = _mm512_loadu_si512(p);
+    lo = _mm512_and_si512(shift<1 - J>(v), two);
+    hi = _mm512_and_si512(shift<1 - (J + 4)>(v), two);
   } else if constexpr (Bits == 2 || Bits == 3) {
     const __m512i three = _mm512_set1_epi8(0x03);
     const __m512i v = _mm512_loadu_si512(p + (J % 2) * 64);
@@ -133,17 +142,21 @@ TV_TARGET TV_INLINE __m512 load_i8x16(const uint8_t* p) {
 }
 TV_TARGET TV_INLINE __m512 neg(__m512 v) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))); }
 
-// Scales and mins per group of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL).
-template <int Fmt_, int Bits, int Offset, bool Codebook, int Mins>
+// Scales and mins per group of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), or per block of
+// ScaleGroups groups (Q2_0, Q1_0: the file's one d per 64 or 128 inputs, not repeated per group).
+template <int Fmt_, int Bits, int Offset, bool Codebook, int Mins, int ScaleGroups = 1>
 struct Legacy {
   static constexpr int kFmt = Fmt_, kBits = Bits, kSubs = 1, kOffset = Offset;
   static constexpr bool kCodebook = Codebook;
   static TV_INLINE bool has_min(const Weights& w) { return Mins == 2 || (Mins == 1 && w.mins != nullptr); }
+  static TV_INLINE int64_t at(const Weights& w, int64_t nb, int64_t g) {
+    return (nb * (w.G / ScaleGroups) + g / ScaleGroups) * kCols;
+  }
   TV_TARGET static TV_INLINE void scales(const Weights& w, int64_t nb, int64_t g, __m512 (&sc)[1]) {
-    sc[0] = load_half16(w.scales + (nb * w.G + g) * kCols);
+    sc[0] = load_half16(w.scales + at(w, nb, g));
   }
   TV_TARGET static TV_INLINE void mins(const Weights& w, int64_t nb, int64_t g, __m512 (&mn)[1]) {
-    mn[0] = load_half16(w.mins + (nb * w.G + g) * kCols);
+    mn[0] = load_half16(w.mins + at(w, nb, g));
   }
 };
 
@@ -191,6 +204,8 @@ using DecQ8 = Legacy<kQ8, 8, 128, false, 0>;
 using DecQ5_0 = Legacy<kQ5_0, 5, 16, false, 0>;
 using DecQ5_1 = Legacy<kQ5_1, 5, 0, false, 2>;
 using DecIQ4NL = Legacy<kIQ4NL, 4, 128, true, 0>;
+using DecQ2_0 = Legacy<kQ2_0, 2, 1, false, 0, 2>;  // (q - 1) d
+using DecQ1_0 = Legacy<kQ1_0, 1, 1, false, 0, 4>;  // (2 b - 1) d: +d or -d
 using DecQ2K = Super<kQ2K, 2, 2, 0, false, Sub::kNibblePair>;
 using DecQ3K = Super<kQ3K, 3, 2, 4, false, Sub::kInt8>;
 using DecQ4K = Super<kQ4K, 4, 1, 0, false, Sub::kScaleMin6>;
@@ -218,6 +233,8 @@ TV_INLINE void with_decoder(int fmt, F&& f) {
     case kQ5_0: f.template operator()<DecQ5_0>(); break;
     case kQ5_1: f.template operator()<DecQ5_1>(); break;
     case kIQ4NL: f.template operator()<DecIQ4NL>(); break;
+    case kQ2_0: f.template operator()<DecQ2_0>(); break;
+    case kQ1_0: f.template operator()<DecQ1_0>(); break;
     case kQ2K: f.template operator()<DecQ2K>(); break;
     case kQ3K: f.template operator()<DecQ3K>(); break;
     case kQ4K: f.template operator()<DecQ4K>(); break;

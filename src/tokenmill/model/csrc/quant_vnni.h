@@ -307,13 +307,13 @@ inline Weights check(const at::Tensor& codes, const at::Tensor& scales, const at
   const int bits = fmt_bits(static_cast<int>(fmt));
   TORCH_CHECK(bits > 0, "unknown blocked format ", fmt);
   const bool super = fmt_super(static_cast<int>(fmt));
-  const int64_t width = super ? 256 : kGroup;
+  const int64_t width = kGroup * fmt_scale_groups(static_cast<int>(fmt));  // inputs a scale record covers
   TORCH_CHECK(N % kCols == 0 && K % width == 0, "N must be a multiple of 16 and K of ", width);
-  const int64_t G = K / kGroup, per_col = super ? K / 256 : G;
+  const int64_t G = K / kGroup, per_col = K / width;
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == N * K * bits / 8 && codes.element_size() == 1,
               "codes do not match [N/16, G, bits * 64] for this N and K");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf && scales.numel() == N * per_col,
-              "scales must be float16 [N/16, G or K/256, 16]");
+              "scales must be float16 [N/16, K / inputs a scale covers, 16]");
   const int min_rule = fmt_mins(static_cast<int>(fmt));
   TORCH_CHECK(min_rule > 0 || mins.numel() == 0, "this format has no mins");
   TORCH_CHECK(min_rule < 2 || mins.numel() > 0, "this format needs mins");

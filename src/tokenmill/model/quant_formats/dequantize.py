@@ -2,7 +2,8 @@
 
 The exact path must see the numbers transformers sees when it reads the same file, and transformers
 dequantizes with `gguf.quants.dequantize`; calling it is the only way to be bit-identical by
-construction for all ~25 types (and their future fixes). Each block dequantizes independently of
+construction for all ~25 types (and their future fixes). The types gguf-py cannot dequantize yet
+take ggml's own arithmetic (newer_types.py). Each block dequantizes independently of
 the others, so slicing the rows changes nothing, and it bounds gguf-py's float32 temporaries
 (several times the slab) while the result goes straight into the tensor the caller keeps, in fp32
 or rounded once to bf16.
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
+from tokenmill.model.quant_formats import newer_types
 from tokenmill.model.quant_formats.registry import format_of, gguf_type
 
 # Rows per slab: at most ~4M weights of float32 temporaries at a time.
@@ -31,7 +33,8 @@ def dequantize_rows(kind: str, raw: np.ndarray, k: int, dtype: torch.dtype = tor
     qtype = gguf_type(kind)
     for start in range(0, n, step):
         slab = np.ascontiguousarray(raw[start : start + step])
-        values = gguf_dequantize(slab, qtype)  # F32 / F16 / BF16 too: the same call transformers makes
+        # F32 / F16 / BF16 too: the same call transformers makes
+        values = newer_types.dequantize(kind, slab) if kind in newer_types.NEWER_TYPES else gguf_dequantize(slab, qtype)
         out[start : start + step] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, k))
     return out
 
