@@ -37,16 +37,17 @@ def test_makes_each_mix_once_from_the_source(tmp_path, capsys):
     log, out = tmp_path / "argv.log", tmp_path / "mixes"
     _fake_quantize(tmp_path / "bin", log)
     argv = ["bench", "mixes", "--source", str(source), "--out", str(out), "--llama-cpp", str(tmp_path / "bin"),
-            "--mix", "Q4_K_M", "IQ4_XS", "--threads", "3"]
+            "--mix", "Q4_K_M", "IQ4_XS", "Q1_0", "--threads", "3"]
     assert main(argv) == 0
     made = {p.name: p.read_text() for p in out.iterdir()}
-    assert made == {"Model-135M-Q4_K_M.gguf": "Q4_K_M", "Model-135M-IQ4_XS.gguf": "IQ4_XS"}  # no .partial left
+    assert made == {"Model-135M-Q4_K_M.gguf": "Q4_K_M", "Model-135M-IQ4_XS.gguf": "IQ4_XS",
+                    "Model-135M-Q1_0.gguf": "Q1_0"}  # no .partial left
     first = _calls(log)[0]
     assert first == ["--allow-requantize", str(source), str(out / "Model-135M-Q4_K_M.gguf") + ".partial", "Q4_K_M", "3"]
     # A second run keeps the files it finds; --force remakes them.
-    assert main(argv) == 0 and len(_calls(log)) == 2
+    assert main(argv) == 0 and len(_calls(log)) == 3
     assert "exists" in capsys.readouterr().out
-    assert main([*argv, "--force"]) == 0 and len(_calls(log)) == 4
+    assert main([*argv, "--force"]) == 0 and len(_calls(log)) == 6
 
 
 def test_failed_quantize_names_the_mix_and_leaves_no_file(tmp_path, capsys):

@@ -19,6 +19,10 @@ from tokenmill.bench.llama_cpp_peer import PeerError, find_binary
 
 # The issue's mixes, in its table's order.
 MIXES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q8_0", "IQ4_XS")
+# Made on request only: ggml's 1- and 2-bit types (Q1_0 needs rows of 128 weights: Gemma 3's, not
+# the bundled model's 576), and other llama-quantize types a user may meet.
+OTHER_TYPES = ("Q1_0", "Q2_0", "Q2_K", "Q3_K_S", "Q3_K_L", "Q4_K_S", "Q5_K_S", "Q4_0", "Q5_0", "Q5_1",
+               "IQ4_NL", "IQ3_S", "IQ3_M", "TQ1_0", "TQ2_0", "MXFP4_MOE", "BF16", "F16")
 DEFAULT_OUT = "~/.cache/tokenmill-bench/mixes"
 
 
@@ -26,7 +30,8 @@ def add_mixes_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "mixes", help="make the issue-22 GGUF mixes (Q4_K_M, ...) from the bundled model with llama-quantize"
     )
-    p.add_argument("--mix", nargs="*", choices=MIXES, default=list(MIXES), help="which mixes (default: all)")
+    p.add_argument("--mix", nargs="*", choices=MIXES + OTHER_TYPES, default=list(MIXES),
+                   help="which mixes (default: the issue's six; any of the choices llama-quantize takes)")
     p.add_argument("--source", default=None, help="GGUF to re-quantize (default: the bundled model)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"folder of the files (default: {DEFAULT_OUT})")
     p.add_argument("--llama-cpp", metavar="DIR", default=None,
