@@ -27,6 +27,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("kv_memory", "add_kv_memory_parser"),
     ("load_memory", "add_load_memory_parser"),
     ("make_moe", "add_make_moe_parser"),
+    ("make_low_bit", "add_make_low_bit_parser"),
     ("decode_step", "add_decode_step_parser"),
     ("moe_decode", "add_moe_decode_parser"),
     ("report", "add_report_parser"),
