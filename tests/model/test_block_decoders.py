@@ -23,8 +23,11 @@ pytestmark = pytest.mark.skipif(not quant_kernel.vnni_available(), reason="no AV
 FP16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
-    "Q1_0": (0,), "Q2_0": (0,),
+    "Q1_0": (0,), "Q2_0": (0,), "MXFP4": (),
 }
+# MXFP4's scale is an E8M0 exponent byte (the block's first): 2^(e - 128), kept near 2^-8 here; the
+# lossless test also takes 0 and 1 (ggml's subnormal halves) and the largest finite ones.
+E8M0_BYTE = {"MXFP4": 0}
 TYPES = sorted(KERNEL_TYPES)
 SUPER = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
 
@@ -45,6 +48,8 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0, scale: float = 0.01)
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
     for at in FP16_FIELDS[kind]:
         raw[..., at : at + 2] = (rng.standard_normal((n, k // block, 1)) * scale).astype(np.float16).view(np.uint8)
+    if kind in E8M0_BYTE:  # 2^(e - 128) * codes up to 12: ~scale
+        raw[..., E8M0_BYTE[kind]] = rng.integers(117, 122, size=(n, k // block), dtype=np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -75,6 +80,13 @@ def two_term_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def test_relayout_is_lossless(kind):
     k = width(kind, 160, 512)
     bw, ref, file_bytes = weight(kind, 48, k)
+    if kind in E8M0_BYTE:  # every exponent byte with finite values: subnormal halves (0, 1) to 2^125
+        raw = random_blocks(kind, 48, k)
+        e = np.arange(48 * k // 32) * 13 % 253  # up to 252: 12 x 2^124, the largest finite
+        e[:3] = (0, 1, 252)
+        raw.reshape(48, k // 32, -1)[..., E8M0_BYTE[kind]] = e.reshape(48, -1)
+        bw, ref, file_bytes = to_blocked_gguf(kind, torch.from_numpy(raw), (48, k)), dequantize_rows(kind, raw, k), raw.nbytes
+        assert torch.isfinite(ref).all()
     assert bw.kind == kind and bw.shape == (48, k)
     ids = torch.arange(48)
     assert torch.equal(quant_kernel.blocked_rows(bw, ids), ref)  # gguf-py's fp32 values, bit for bit
@@ -137,7 +149,7 @@ def test_prompt_rows_can_run_bf16_gemm_on_the_file_values(kind):
 AUTO_PROMPT_GEMM = {
     "Q2_K": "vnni", "Q3_K": "vnni", "Q4_0": "vnni", "Q4_1": "bf16", "Q4_K": "vnni", "IQ4_NL": "bf16",
     "IQ4_XS": "bf16", "Q5_0": "vnni", "Q5_1": "vnni", "Q5_K": "vnni", "Q6_K": "vnni", "Q8_0": "vnni",
-    "Q2_0": "vnni", "Q1_0": "vnni",
+    "Q2_0": "vnni", "Q1_0": "vnni", "MXFP4": "vnni",
 }
 
 

@@ -28,7 +28,7 @@ LAYERS = [
     ([("Q4_K", 384), ("Q6_K", 128)], [("Q5_0", HIDDEN)], [("Q5_K", 2 * INTER)], [("IQ4_XS", HIDDEN)]),
     ([("Q2_K", 256), ("Q3_K", 256)], [("Q5_1", HIDDEN)], [("IQ4_NL", INTER), ("Q8_0", INTER)], [("Q6_K", HIDDEN)]),
     ([("Q4_0", 512)], [("Q4_1", HIDDEN)], [("Q8_0", 2 * INTER)], [("Q4_K", HIDDEN)]),
-    ([("Q1_0", 384), ("Q2_0", 128)], [("Q2_0", HIDDEN)], [("Q1_0", 2 * INTER)], [("Q2_0", HIDDEN)]),
+    ([("Q1_0", 384), ("Q2_0", 128)], [("MXFP4", HIDDEN)], [("Q1_0", INTER), ("MXFP4", INTER)], [("Q2_0", HIDDEN)]),
 ]
 
 

@@ -1,5 +1,5 @@
 """Tiny GGUF files mixing tensor types the way llama-quantize does (Q4_K_M, Q5_K_M, Q6_K, Q3_K_M,
-IQ4_XS, Q2_K, a mix of the 1- and 2-bit types newer than gguf-py, and a mix with types that have no
+IQ4_XS, Q2_K, a mix of the 1- and 2-bit types newer than gguf-py with MXFP4, and a mix with types that have no
 kernel), written by the test, through the whole engine: exact mode greedy-identical to transformers
 reading the same file (for the newer types, which transformers cannot read, the same model written
 with their exact fp32 values), fast mode agreeing with exact, each matrix run as the kernels' layout
@@ -38,8 +38,8 @@ MIXES: dict[str, dict[str, str]] = {
     "Q3_K_M": {"embed": "Q3_K", "lm_head": "Q6_K", "v_proj": "Q5_K", "down": "Q4_K", "o_proj": "Q4_0", "": "Q3_K"},
     "IQ4_XS": {"lm_head": "Q6_K", "o_proj": "IQ4_NL", "": "IQ4_XS"},
     "Q2_K": {"embed": "Q2_K", "lm_head": "Q6_K", "v_proj": "Q3_K", "down": "Q4_K", "gate": "Q4_1", "": "Q2_K"},
-    # ggml's 1-bit and 2-bit types (gguf-py 0.19 cannot dequantize Q1_0 nor read Q2_0)
-    "Q1_0": {"embed": "Q2_0", "lm_head": "Q6_K", "down": "Q2_0", "v_proj": "Q2_0", "": "Q1_0"},
+    # ggml's 1-bit and 2-bit types (gguf-py 0.19 cannot dequantize Q1_0 nor read Q2_0), and MXFP4
+    "Q1_0": {"embed": "Q2_0", "lm_head": "Q6_K", "down": "Q2_0", "v_proj": "Q2_0", "gate": "MXFP4", "": "Q1_0"},
     # no kernel for IQ2_XXS / IQ3_S / TQ2_0: bf16 with a warning; F16 / BF16 stay 16-bit
     "no-kernel": {"embed": "F16", "lm_head": "BF16", "q_proj": "IQ2_XXS", "down": "IQ3_S", "up": "TQ2_0", "": "Q4_K"},
 }

@@ -7,6 +7,8 @@ laid as csrc/quant_blocks.h describes), and the numbers that scale them:
 
 - 32-wide formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): fp16 `scales` (and `mins`) per group;
 - Q2_0 and Q1_0 (blocks of 64 and 128 inputs, one fp16 d each): `scales` per block, as the file has them;
+- MXFP4 (E2M1 codes through their codebook): no fp16 `scales` (empty), its E8M0 exponent byte per group
+  in `subs` (one byte per group and column), the kernels making 2^(e - 128) of it;
 - 256-wide super-blocks (Q2_K .. Q6_K, IQ4_XS): fp16 `scales` (d) and `mins` (dmin) per super-block
   and the file's integer sub-block scales in `subs`, one byte each (6-bit ones unpacked to a byte:
   Q4_K's 12 bytes become 16, ~3% of the tensor; Q2_K's nibble pairs stay packed).
@@ -73,6 +75,7 @@ FORMATS: dict[str, BlockFormat] = {
     "IQ4_XS": BlockFormat(25, 4, True, 8),
     "Q2_0": BlockFormat(13, 2, False, scale_groups=2),
     "Q1_0": BlockFormat(14, 1, False, scale_groups=4),
+    "MXFP4": BlockFormat(15, 4, False, subs=1),
 }
 # Groups of 32 a scale record covers, by decoder id (weights quantized at load: 1).
 _SCALE_GROUPS = {f.fmt: f.scale_groups for f in FORMATS.values()}
@@ -234,6 +237,8 @@ def _unpack(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     if kind in newer_types.NEWER_TYPES:  # Q2_0's crumbs, Q1_0's bits; d per block of 64 / 128
         d, q = newer_types.codes(kind, b)
         return q.reshape(n, -1), d, None, None
+    if kind == "MXFP4":  # the E8M0 exponent byte, then codebook indices in IQ4_NL's nibble order
+        return _nibbles32(b[..., 1:17]).reshape(n, -1), None, None, np.ascontiguousarray(b[..., 0])
     if kind == "Q2_K":
         scales, qs = b[..., 0:16], b[..., 16:80]
         q = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
@@ -296,9 +301,12 @@ def blocked_from_file(kind: str, raw: torch.Tensor | np.ndarray, shape: tuple[in
     def convert(r0: int, r1: int) -> BlockedWeight:
         codes, d, m, subs = _unpack(kind, data[r0:r1])
         packed = pack_codes(torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8)), f.bits)
-        subs_t = None if subs is None else by_block(subs.reshape(r1 - r0, k // SUPER, f.subs))
+        records = k // (GROUP * f.scale_groups)  # scale records a row
+        subs_t = None if subs is None else by_block(subs.reshape(r1 - r0, records, f.subs))
         mins = None if m is None else by_block(m.astype(np.float16))
-        return BlockedWeight(packed, by_block(d.astype(np.float16)), mins, f.bits, kind, (r1 - r0, k), subs_t, f.fmt)
+        scales = (by_block(d.astype(np.float16)) if d is not None
+                  else torch.empty((r1 - r0) // COLS, 0, COLS, dtype=torch.float16))  # MXFP4: exponents only
+        return BlockedWeight(packed, scales, mins, f.bits, kind, (r1 - r0, k), subs_t, f.fmt)
 
     return by_row_chunks(n, k, convert)
 

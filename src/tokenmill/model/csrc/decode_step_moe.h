@@ -185,12 +185,11 @@ TV_TARGET inline float dot(const float* a, const float* b, int64_t n) {
 // The weight's column blocks from `nb` on, as a weight of its own (the kernels index blocks from 0).
 inline tm_vnni::Weights from_block(const tm_vnni::Weights& w, int64_t nb) {
   tm_vnni::Weights v = w;
-  const bool super = tm_vnni::fmt_super(w.fmt);
   const int64_t scale_rows = w.G / tm_vnni::fmt_scale_groups(w.fmt);  // scale records per block
   v.codes += nb * w.G * w.bits * 64;
-  v.scales += nb * scale_rows * tm_vnni::kCols;
+  if (tm_vnni::fmt_fp16_scales(w.fmt)) v.scales += nb * scale_rows * tm_vnni::kCols;
   if (w.mins != nullptr) v.mins += nb * scale_rows * tm_vnni::kCols;
-  if (super) v.subs += nb * scale_rows * tm_vnni::fmt_subs(w.fmt) * tm_vnni::kCols;
+  if (tm_vnni::fmt_has_subs(w.fmt)) v.subs += nb * scale_rows * tm_vnni::fmt_subs(w.fmt) * tm_vnni::kCols;
   return v;
 }
 

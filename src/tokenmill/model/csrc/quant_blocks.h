@@ -38,7 +38,7 @@ constexpr int64_t kSuper = 8;  // groups of 32 in a 256-wide super-block
 
 // Decoder ids (model/blocked_formats.py FORMATS): 4 and 8 are the legacy int4 / int8 layouts.
 enum Fmt : int {
-  kQ4 = 4, kQ8 = 8, kQ5_0 = 10, kQ5_1 = 11, kIQ4NL = 12, kQ2_0 = 13, kQ1_0 = 14,
+  kQ4 = 4, kQ8 = 8, kQ5_0 = 10, kQ5_1 = 11, kIQ4NL = 12, kQ2_0 = 13, kQ1_0 = 14, kMXFP4 = 15,
   kQ2K = 20, kQ3K = 21, kQ4K = 22, kQ5K = 23, kQ6K = 24, kIQ4XS = 25,
 };
 
@@ -54,7 +54,7 @@ struct Weights {
 
 inline int fmt_bits(int fmt) {
   switch (fmt) {
-    case kQ4: case kIQ4NL: case kQ4K: case kIQ4XS: return 4;
+    case kQ4: case kIQ4NL: case kQ4K: case kIQ4XS: case kMXFP4: return 4;
     case kQ8: return 8;
     case kQ5_0: case kQ5_1: case kQ5K: return 5;
     case kQ2K: case kQ2_0: return 2;
@@ -67,7 +67,11 @@ inline int fmt_bits(int fmt) {
 inline bool fmt_super(int fmt) { return fmt >= kQ2K; }
 // Groups of 32 inputs one scale record covers (model/blocked_formats.py BlockFormat.scale_groups).
 inline int64_t fmt_scale_groups(int fmt) { return fmt_super(fmt) ? kSuper : fmt == kQ2_0 ? 2 : fmt == kQ1_0 ? 4 : 1; }
-inline int fmt_subs(int fmt) { return fmt == kIQ4XS ? 8 : 16; }  // sub-block bytes per super-block
+inline int fmt_subs(int fmt) { return fmt == kMXFP4 ? 1 : fmt == kIQ4XS ? 8 : 16; }  // sub-block bytes per scale record
+// Whether `subs` holds bytes: the super-blocks' sub-block scales, MXFP4's E8M0 exponents (its only scale).
+inline bool fmt_has_subs(int fmt) { return fmt_super(fmt) || fmt == kMXFP4; }
+// Whether `scales` holds fp16 scales (every format but MXFP4, whose exponent bytes are its scales).
+inline bool fmt_fp16_scales(int fmt) { return fmt != kMXFP4; }
 // Whether the format has mins: required (K-quants with mins), allowed (legacy Q4: Q4_0's -8 d), never.
 inline int fmt_mins(int fmt) { return fmt == kQ4 ? 1 : (fmt == kQ5_1 || fmt == kQ2K || fmt == kQ4K || fmt == kQ5K) ? 2 : 0; }
 
@@ -120,6 +124,14 @@ TV_TARGET TV_INLINE void pair_codes(const uint8_t* p, __m512i& lo, __m512i& hi) 
   }
 }
 
+// MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4) + 128 (unsigned), in each 128-bit lane for vpshufb.
+TV_TARGET TV_INLINE __m512i mxfp4_table() {
+  return _mm512_broadcast_i32x4(_mm_setr_epi8(static_cast<char>(128), static_cast<char>(129), static_cast<char>(130),
+                                              static_cast<char>(131), static_cast<char>(132), static_cast<char>(134),
+                                              static_cast<char>(136), static_cast<char>(140), static_cast<char>(128),
+                                              127, 126, 125, 124, 122, 120, 116));
+}
+
 // IQ4's codebook + 128 (unsigned), in each 128-bit lane for vpshufb.
 TV_TARGET TV_INLINE __m512i iq4_table() {
   return _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129),
@@ -148,6 +160,7 @@ template <int Fmt_, int Bits, int Offset, bool Codebook, int Mins, int ScaleGrou
 struct Legacy {
   static constexpr int kFmt = Fmt_, kBits = Bits, kSubs = 1, kOffset = Offset;
   static constexpr bool kCodebook = Codebook;
+  TV_TARGET static TV_INLINE __m512i codebook() { return iq4_table(); }
   static TV_INLINE bool has_min(const Weights& w) { return Mins == 2 || (Mins == 1 && w.mins != nullptr); }
   static TV_INLINE int64_t at(const Weights& w, int64_t nb, int64_t g) {
     return (nb * (w.G / ScaleGroups) + g / ScaleGroups) * kCols;
@@ -167,6 +180,7 @@ template <int Fmt_, int Bits, int Subs, int Offset, bool Codebook, Sub Kind>
 struct Super {
   static constexpr int kFmt = Fmt_, kBits = Bits, kSubs = Subs, kOffset = Offset;
   static constexpr bool kCodebook = Codebook;
+  TV_TARGET static TV_INLINE __m512i codebook() { return iq4_table(); }
   static constexpr int kSubBytes = Fmt_ == kIQ4XS ? 8 : 16;
   static TV_INLINE bool has_min(const Weights&) { return Kind != Sub::kInt8; }
   static TV_INLINE const uint8_t* sub(const Weights& w, int64_t nb, int64_t g, int i) {
@@ -199,6 +213,23 @@ struct Super {
   }
 };
 
+// MXFP4: 4-bit E2M1 codes through their codebook, one E8M0 exponent byte per group of 32 (in `subs`,
+// as the file holds it), scale 2^(e - 128) built in the exponent field: exactly ggml's
+// e8m0_to_fp32_half (subnormal 2^-128 / 2^-127 for e = 0 / 1), so values equal gguf-py's.
+struct DecMXFP4 {
+  static constexpr int kFmt = kMXFP4, kBits = 4, kSubs = 1, kOffset = 128;
+  static constexpr bool kCodebook = true;
+  TV_TARGET static TV_INLINE __m512i codebook() { return mxfp4_table(); }
+  static TV_INLINE bool has_min(const Weights&) { return false; }
+  TV_TARGET static TV_INLINE void scales(const Weights& w, int64_t nb, int64_t g, __m512 (&sc)[1]) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.subs + (nb * w.G + g) * kCols)));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    sc[0] = _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
+  }
+  TV_TARGET static TV_INLINE void mins(const Weights&, int64_t, int64_t, __m512 (&mn)[1]) { mn[0] = _mm512_setzero_ps(); }
+};
+
 using DecQ4 = Legacy<kQ4, 4, 0, false, 1>;
 using DecQ8 = Legacy<kQ8, 8, 128, false, 0>;
 using DecQ5_0 = Legacy<kQ5_0, 5, 16, false, 0>;
@@ -218,7 +249,7 @@ template <class D, int J>
 TV_TARGET TV_INLINE void pair(const uint8_t* p, __m512i& lo, __m512i& hi) {
   pair_codes<D::kBits, J>(p, lo, hi);
   if constexpr (D::kCodebook) {
-    const __m512i table = iq4_table();
+    const __m512i table = D::codebook();
     lo = _mm512_shuffle_epi8(table, lo);
     hi = _mm512_shuffle_epi8(table, hi);
   }
@@ -235,6 +266,7 @@ TV_INLINE void with_decoder(int fmt, F&& f) {
     case kIQ4NL: f.template operator()<DecIQ4NL>(); break;
     case kQ2_0: f.template operator()<DecQ2_0>(); break;
     case kQ1_0: f.template operator()<DecQ1_0>(); break;
+    case kMXFP4: f.template operator()<DecMXFP4>(); break;
     case kQ2K: f.template operator()<DecQ2K>(); break;
     case kQ3K: f.template operator()<DecQ3K>(); break;
     case kQ4K: f.template operator()<DecQ4K>(); break;

@@ -48,7 +48,7 @@ class QuantFormat:
 
 # The types the issue-22 kernels cover (csrc/, model/quant.py's KERNEL_TYPES must agree: tested).
 _KERNEL = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                     "IQ4_NL", "IQ4_XS", "Q1_0", "Q2_0"})
+                     "IQ4_NL", "IQ4_XS", "Q1_0", "Q2_0", "MXFP4"})
 # Where each block keeps its fp16 fields (ggml-common.h's block structs). Types left out have none
 # (unquantized, MXFP4's E8M0 byte) or pack the scale across bits (IQ1_M).
 _FP16_OFFSETS: dict[str, tuple[int, ...]] = {
