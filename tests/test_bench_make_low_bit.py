@@ -23,6 +23,7 @@ def test_writes_a_loadable_low_bit_llama(tmp_path, kind):
     assert {k for n, k in kinds.items() if n.startswith("blk.") and n.endswith("_q.weight")} == {kind}
     assert kinds["blk.1.ffn_down.weight"] == kind and f.metadata["llama.block_count"] == 2
     assert f.metadata["tokenizer.ggml.tokens"] == 49152  # string arrays: their length
+    assert "<|im_start|>" in f.metadata["tokenizer.chat_template"]
     if kind != "Q1_0":
         return  # one file through the engine is enough (the kernels have their own tests)
     tokens = {}

@@ -5,7 +5,7 @@ and no such file is on the registries this project may use. The way `make-moe` m
 fp32 model from transformers, converted, then quantized) would need 32 GB for an 8B shape, so this
 writes the blocks directly: random bits / crumbs with one d per block, the embedding and the output
 in Q8_0 as llama-quantize keeps them for these types, and the bundled SmolLM2's tokenizer (49,152
-tokens) so that llama.cpp loads the same file. Random weights make the numbers fair for speed, never
+tokens) and chat template, so that llama.cpp loads the same file and the chat endpoints serve it. Random weights make the numbers fair for speed, never
 for quality. The default shape is Llama 3 8B's without its vocabulary (hidden 4096, 32 layers, 14,336
 wide MLP, 32 heads / 8 KV heads): ~6.98B parameters in the layers, ~1.2 GB as Q1_0.
 """
@@ -92,6 +92,8 @@ def run_make_low_bit(args: argparse.Namespace) -> int:
     writer.add_token_merges(meta["tokenizer.ggml.merges"])
     writer.add_bos_token_id(int(meta["tokenizer.ggml.bos_token_id"]))
     writer.add_eos_token_id(int(meta["tokenizer.ggml.eos_token_id"]))
+    if meta.get("tokenizer.chat_template"):  # so that the chat endpoints serve it too
+        writer.add_chat_template(meta["tokenizer.chat_template"])
 
     def matrix(name: str, kind: str, n: int, k: int, d: float) -> None:
         # int8 bytes with the logical shape: gguf-py cannot size a type it does not know (Q2_0)
