@@ -243,7 +243,7 @@ def _random_k_quant_blocks(kind: str, shape: tuple[int, int]) -> np.ndarray:
 
 
 def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | None] | None = None,
-                    dense_twin: Path | None = None) -> Path:
+                    dense_twin: Path | None = None, split_max_tensors: int = 0) -> Path:
     """Convert a tiny HF folder to GGUF like llama.cpp does (q/k permutation for llama, rope_freqs for llama3).
 
     Embeddings go in as F16 (exercising a non-F32 path), everything else as F32; with `quant`
@@ -252,7 +252,8 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | 
     (a llama-quantize-like mix): types gguf-py cannot quantize get random blocks (tests/gguf_blocks.py)
     with the weights' spread, and "F16" / "BF16" / "F32" keep the values. `dense_twin` also writes the
     same model with every quantized matrix as its exact fp32 values (a file transformers can read
-    when gguf-py cannot read a type of `out`).
+    when gguf-py cannot read a type of `out`). `split_max_tensors` splits `out` into parts of at most
+    that many tensors, named as llama.cpp names them (OUT-00001-of-0000N.gguf; the first part returned).
     """
     import gguf
 
@@ -265,7 +266,9 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | 
             "gemma3_text": "gemma3"}[c.model_type]
     gemma = arch.startswith("gemma")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    writers = [gguf.GGUFWriter(os.fspath(path), arch) for path in (out, dense_twin) if path is not None]
+    writers = [gguf.GGUFWriter(os.fspath(out), arch, split_max_tensors=split_max_tensors)]
+    if dense_twin is not None:
+        writers.append(gguf.GGUFWriter(os.fspath(dense_twin), arch))
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     for writer in writers:
         writer.add_block_count(c.num_hidden_layers)
@@ -322,4 +325,5 @@ def write_tiny_gguf(folder: Path, out: Path, quant: str | Callable[[str], str | 
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-    return out
+    parts = writers[0].format_shard_names(Path(out))
+    return parts[0]

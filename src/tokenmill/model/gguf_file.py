@@ -5,11 +5,18 @@ too (one small array per string: for a 49k vocabulary, +180 MB at its peak and s
 part of it never returned to the OS). Loading needs none of those strings (the tokenizer reads them
 itself, model/tokenizer_files.py), so this reader walks over string arrays, keeping their length
 (the vocabulary size of files without `vocab_size`). Tensor data are views of one read-only memory
-map: nothing is read until a tensor is converted.
+map per file: nothing is read until a tensor is converted.
+
+A model may come split over several files (llama.cpp's gguf-split, gguf-py's writer with a split
+size: `NAME-00001-of-00003.gguf`, ...; large quantized models are published so): the first holds the
+metadata, every file holds some tensors and `split.no` / `split.count`. Loading the first file reads
+them all, as llama.cpp does.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import struct
 from dataclasses import dataclass
 from math import prod
@@ -45,9 +52,53 @@ class UnknownTensorType(ValueError):
     """A tensor of a GGML type no table here knows: the file may be whole, but it cannot be read."""
 
 
+class SplitError(ValueError):
+    """A split model's files do not add up: a later part given, a part missing or not of this model."""
+
+
+# llama.cpp's `llama_split_path`: PREFIX-%05d-of-%05d.gguf, parts counted from 1
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
 def read_gguf(path: str) -> GGUFFile:
-    """ValueError (or struct.error) on a file that is not whole: a truncated header or tensor data;
-    UnknownTensorType for a type id neither gguf-py nor quant_formats knows."""
+    """The model at `path`, with the tensors of every other part of a split model.
+
+    ValueError (or struct.error) on a file that is not whole: a truncated header or tensor data;
+    UnknownTensorType for a type id neither gguf-py nor quant_formats knows; SplitError for a split
+    model whose parts do not add up."""
+    first = _read_one(path)
+    count = int(first.metadata.get("split.count", 1))
+    if count <= 1:
+        return first
+    no = int(first.metadata.get("split.no", 0))
+    if no != 0:
+        raise SplitError(f"{os.path.basename(path)} is part {no + 1} of a model split in {count} files: "
+                         f"load the first part ({_part_path(path, 0, count)})")
+    tensors = list(first.tensors)
+    for i in range(1, count):
+        part_path = _part_path(path, i, count)
+        if not os.path.isfile(part_path):
+            raise SplitError(f"part {i + 1} of {count} of this split model is missing: {part_path}")
+        part = _read_one(part_path)
+        if int(part.metadata.get("split.no", -1)) != i or int(part.metadata.get("split.count", -1)) != count:
+            raise SplitError(f"{part_path} is not part {i + 1} of {count} of {os.path.basename(path)}")
+        tensors += part.tensors
+    expected = first.metadata.get("split.tensors.count")
+    if expected is not None and int(expected) != len(tensors):
+        raise SplitError(f"the {count} parts hold {len(tensors)} tensors, the first part says {expected}")
+    return GGUFFile(first.metadata, tensors)
+
+
+def _part_path(path: str, index: int, count: int) -> str:
+    """Part `index` (from 0) of the split model whose part `path` is, by llama.cpp's naming."""
+    m = _SPLIT_NAME.match(path)
+    if m is None or int(m["count"]) != count:
+        raise SplitError(f"{os.path.basename(path)} says it is one of {count} parts, but its name is not "
+                         f"NAME-0000N-of-{count:05d}.gguf, so the other parts cannot be found")
+    return f"{m['prefix']}-{index + 1:05d}-of-{count:05d}.gguf"
+
+
+def _read_one(path: str) -> GGUFFile:
     blob = np.memmap(path, mode="r", dtype=np.uint8)
     if bytes(blob[:4]) != b"GGUF":
         raise ValueError("not a GGUF file")

@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import gemma_files, moe_files
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.gguf_file import GGUFFile, UnknownTensorType, read_gguf
+from tokenmill.model.gguf_file import GGUFFile, SplitError, UnknownTensorType, read_gguf
 from tokenmill.model.quant_formats import GGUFWeight, format_of
 
 GGUF_MAGIC = b"GGUF"
@@ -68,6 +68,8 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str]
     except UnknownTensorType as e:
         raise ModelLoadError(path, f"unsupported tensor type: {e}; re-quantize the model to a type "
                                    f"llama.cpp and gguf-py both know (e.g. Q4_K_M)") from e
+    except SplitError as e:
+        raise ModelLoadError(path, f"split GGUF: {e}") from e
     except Exception as e:  # the reader fails in many ways (struct, memmap, index) on a bad file
         raise ModelLoadError(path, f"corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
     arch = _meta(reader, "general.architecture")
