@@ -41,6 +41,17 @@ def test_names_and_arguments(tmp_path):
         ModelRouter([ModelEntry("a", "/1"), ModelEntry("a", "/2")])
 
 
+def test_a_split_model_is_listed_once_by_its_first_part_with_all_its_bytes(tmp_path):
+    for no, size in ((1, 3), (2, 5), (3, 7)):
+        (tmp_path / f"big-{no:05d}-of-00003.gguf").write_bytes(b"x" * size)
+    (tmp_path / "small.gguf").write_bytes(b"x")
+    first = str(tmp_path / "big-00001-of-00003.gguf")
+    assert models_in(str(tmp_path)) == [("big", first), ("small", str(tmp_path / "small.gguf"))]
+    assert parse_model_arg(first) == ("big", first)
+    router = RouterConfig((("big", first),)).router()
+    assert router.entries["big"].memory_bytes == 15  # every part
+
+
 def test_keep_alive_and_memory_parsing():
     assert keep_alive_seconds(None) is None
     assert keep_alive_seconds(0) == 0 and keep_alive_seconds("0") == 0 and keep_alive_seconds(-1) == -1

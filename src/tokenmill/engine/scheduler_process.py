@@ -15,7 +15,6 @@ import dataclasses
 import inspect
 import json
 import logging
-import os
 import time
 import traceback
 
@@ -212,10 +211,9 @@ def _wire(lp: TokenLogprobs) -> Logprob:
 
 def model_name(config: EngineConfig) -> str:
     from tokenmill.model.default_model import default_model_path
+    from tokenmill.model.gguf_parts import default_model_name
 
-    path = config.model or default_model_path()
-    base = os.path.basename(os.path.normpath(path))
-    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+    return default_model_name(config.model or default_model_path())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,8 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from tokenmill.model.gguf_parts import all_parts, default_model_name, is_later_part
+
 
 class ModelState(enum.Enum):
     UNLOADED = "unloaded"
@@ -48,10 +50,9 @@ class ModelEntry:
 
 
 def model_name(path: str) -> str:
-    """The name a model is served under when none is given: the file's or folder's name without
-    `.gguf` (the scheduler's rule for --served-model-name's default)."""
-    base = os.path.basename(os.path.normpath(path))
-    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+    """The name a model is served under when none is given (the scheduler's rule for
+    --served-model-name's default: model/gguf_parts.py)."""
+    return default_model_name(path)
 
 
 def parse_model_arg(text: str) -> tuple[str, str]:
@@ -202,20 +203,23 @@ class RouterConfig:
 def path_bytes(path: str) -> int:
     """A model's size on disk: the memory estimate before its first load measures the real one."""
     try:
-        if os.path.isfile(path):
-            return os.path.getsize(path)
+        if os.path.isfile(path):  # a split model's first part: all its parts
+            return sum(os.path.getsize(p) for p in all_parts(path) if os.path.isfile(p))
         return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
     except OSError:
         return 0
 
 
 def models_in(directory: str) -> list[tuple[str, str]]:
-    """`--models-dir`: every GGUF file and every folder holding a config.json, sorted by name."""
+    """`--models-dir`: every GGUF file (a split model once, by its first part) and every folder
+    holding a config.json, sorted by name."""
     if not os.path.isdir(directory):
         raise ValueError(f"--models-dir {directory}: no such directory")
     found = []
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
+        if is_later_part(path):  # a split model is listed once, by its first part
+            continue
         if (os.path.isfile(path) and name.endswith(".gguf")) or os.path.isfile(os.path.join(path, "config.json")):
             found.append((model_name(path), path))
     if not found:

@@ -16,7 +16,6 @@ them all, as llama.cpp does.
 from __future__ import annotations
 
 import os
-import re
 import struct
 from dataclasses import dataclass
 from math import prod
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.model.gguf_parts import part_path, split_name
 from tokenmill.model.quant_formats.registry import format_by_id
 
 _VERSIONS = (2, 3)
@@ -54,10 +54,6 @@ class UnknownTensorType(ValueError):
 
 class SplitError(ValueError):
     """A split model's files do not add up: a later part given, a part missing or not of this model."""
-
-
-# llama.cpp's `llama_split_path`: PREFIX-%05d-of-%05d.gguf, parts counted from 1
-_SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 def read_gguf(path: str) -> GGUFFile:
@@ -91,11 +87,11 @@ def read_gguf(path: str) -> GGUFFile:
 
 def _part_path(path: str, index: int, count: int) -> str:
     """Part `index` (from 0) of the split model whose part `path` is, by llama.cpp's naming."""
-    m = _SPLIT_NAME.match(path)
-    if m is None or int(m["count"]) != count:
+    named = split_name(path)
+    if named is None or named[2] != count:
         raise SplitError(f"{os.path.basename(path)} says it is one of {count} parts, but its name is not "
                          f"NAME-0000N-of-{count:05d}.gguf, so the other parts cannot be found")
-    return f"{m['prefix']}-{index + 1:05d}-of-{count:05d}.gguf"
+    return part_path(named[0], index, count)
 
 
 def _read_one(path: str) -> GGUFFile:
