@@ -104,3 +104,17 @@ def test_under_pressure_the_tier_serves_pages_the_pool_evicted(tmp_path, model_f
     assert ask(engine, "a again", PROMPT) < len(PROMPT) - 4 * 16
     engine.check_integrity()
     engine.shutdown()
+
+
+def test_a_split_models_identity_covers_every_part(tmp_path):
+    from tokenmill.engine.kv_offload import model_identity
+
+    whole = tmp_path / "m.gguf"
+    whole.write_bytes(b"GGUF" + bytes(100))
+    parts = [tmp_path / f"s-{i:05d}-of-00002.gguf" for i in (1, 2)]
+    for p in parts:
+        p.write_bytes(b"GGUF" + bytes(100))
+    split = model_identity(str(parts[0]), {})
+    assert split != model_identity(str(whole), {})  # the second part counts
+    parts[1].write_bytes(b"GGUF" + bytes(99) + b"\x01")  # only the second part changed
+    assert model_identity(str(parts[0]), {}) != split

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
+from tokenmill.model.gguf_parts import all_parts
 
 MB = 2**20
 _FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
@@ -80,7 +81,7 @@ def cmd_load_memory(args: argparse.Namespace) -> int:
         while engine.has_unfinished():
             engine.step()
         stages.append({"stage": f"generated {args.generate_tokens} tokens", **process_memory()})
-    size = os.path.getsize(model) if os.path.isfile(model) else sum(
+    size = sum(os.path.getsize(p) for p in all_parts(model)) if os.path.isfile(model) else sum(
         os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(model) for f in files)
     bound = target_mb(size)
     weights = engine.runner.model.weight_bytes() / MB

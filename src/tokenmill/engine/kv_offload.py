@@ -23,6 +23,7 @@ from tokenmill.kvcache.disk_tier import DiskTier
 from tokenmill.kvcache.page_keys import chain_seed, page_keys
 from tokenmill.kvcache.page_pool import PagePool
 from tokenmill.kvcache.radix_cache import PrefixMatch, RadixCache
+from tokenmill.model.gguf_parts import all_parts
 
 # Bytes of the model file hashed into its identity: its head (header and metadata) and tail.
 _IDENTITY_SAMPLE = 4 << 20
@@ -106,11 +107,13 @@ def model_identity(path: str, settings: dict[str, Any]) -> str:
     each file, so a copy or a rename keeps the identity and a re-quantized file does not) and the
     settings that change the numbers (precision, quantization, ...)."""
     root = Path(path)
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    # a folder's files, or a GGUF's parts (one for a whole file, every part of a split model)
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [Path(p) for p in all_parts(path)]
     h = hashlib.blake2b(digest_size=16)
-    for file in files:
+    for i, file in enumerate(files):
         size = file.stat().st_size
-        h.update(f"{file.relative_to(root) if root.is_dir() else ''}:{size};".encode())
+        label = file.relative_to(root) if root.is_dir() else (f"part {i + 1}" if i else "")
+        h.update(f"{label}:{size};".encode())
         with open(file, "rb") as f:
             h.update(f.read(_IDENTITY_SAMPLE))
             if size > 2 * _IDENTITY_SAMPLE:
