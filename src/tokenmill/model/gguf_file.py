@@ -72,12 +72,12 @@ def read_gguf(path: str) -> GGUFFile:
                          f"load the first part ({_part_path(path, 0, count)})")
     tensors = list(first.tensors)
     for i in range(1, count):
-        part_path = _part_path(path, i, count)
-        if not os.path.isfile(part_path):
-            raise SplitError(f"part {i + 1} of {count} of this split model is missing: {part_path}")
-        part = _read_one(part_path)
+        part_file = _part_path(path, i, count)
+        if not os.path.isfile(part_file):
+            raise SplitError(f"part {i + 1} of {count} of this split model is missing: {part_file}")
+        part = _read_one(part_file)
         if int(part.metadata.get("split.no", -1)) != i or int(part.metadata.get("split.count", -1)) != count:
-            raise SplitError(f"{part_path} is not part {i + 1} of {count} of {os.path.basename(path)}")
+            raise SplitError(f"{part_file} is not part {i + 1} of {count} of {os.path.basename(path)}")
         tensors += part.tensors
     expected = first.metadata.get("split.tensors.count")
     if expected is not None and int(expected) != len(tensors):
