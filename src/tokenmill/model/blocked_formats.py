@@ -52,11 +52,11 @@ class BlockFormat:
     super_block: bool
     subs: int = 0  # sub-block scale bytes per super-block and column
     has_mins: bool = False
-    scale_groups: int = 1
+    block_groups: int = 1  # groups of 32 sharing one fp16 d, outside super-blocks (Q2_0: 2, Q1_0: 4)
 
-    def __post_init__(self) -> None:
-        if self.super_block:
-            object.__setattr__(self, "scale_groups", SUPER // GROUP)
+    @property
+    def scale_groups(self) -> int:
+        return SUPER // GROUP if self.super_block else self.block_groups
 
 
 # The ids are csrc/quant_blocks.h's `Fmt` (4 and 8 keep the meaning of the bit widths they replace).
@@ -73,8 +73,8 @@ FORMATS: dict[str, BlockFormat] = {
     "Q5_K": BlockFormat(23, 5, True, 16, True),
     "Q6_K": BlockFormat(24, 6, True, 16),
     "IQ4_XS": BlockFormat(25, 4, True, 8),
-    "Q2_0": BlockFormat(13, 2, False, scale_groups=2),
-    "Q1_0": BlockFormat(14, 1, False, scale_groups=4),
+    "Q2_0": BlockFormat(13, 2, False, block_groups=2),
+    "Q1_0": BlockFormat(14, 1, False, block_groups=4),
     "MXFP4": BlockFormat(15, 4, False, subs=1),
 }
 # Groups of 32 a scale record covers, by decoder id (weights quantized at load: 1).
