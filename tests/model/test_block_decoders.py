@@ -1,6 +1,8 @@
-"""Every GGUF block format the VNNI kernels read (model/blocked_formats.py, csrc/quant_blocks.h), on
+"""Every GGUF block format the blocked kernels read (model/blocked_formats.py, csrc/quant_blocks.h), on
 random block bytes: the re-layout loses nothing (gguf-py's dequantization, bit for bit), and each
-kernel shape matches a float64 product within the bound its activation rounding allows."""
+kernel shape matches a float64 product within the bound its activation rounding allows. The kernel
+tests run once per blocked kernel this CPU can run: AVX512-VNNI (csrc/quant_vnni.h) and AVX2
+(csrc/quant_avx2.h), through conftest.py's `kernel` fixture."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.model.kernels import quant_kernel
+from tests.model.conftest import BLOCKED_KERNELS
+from tokenmill.model.kernels import cpu_isa, quant_kernel
 from tokenmill.model.layers.quantized_linear import (
+    AVX2_DENSE_MIN_ROWS,
     BLOCKED_DENSE_MIN_ROWS,
     QuantizedEmbedding,
     QuantizedLinear,
@@ -17,7 +21,7 @@ from tokenmill.model.layers.quantized_linear import (
 from tokenmill.model.quant import KERNEL_TYPES, BlockedWeight, to_blocked_gguf
 from tokenmill.model.quant_formats import dequantize_rows, format_of
 
-pytestmark = pytest.mark.skipif(not quant_kernel.vnni_available(), reason="no AVX512-VNNI kernel here")
+pytestmark = pytest.mark.skipif(not BLOCKED_KERNELS, reason="no blocked kernel here")
 
 # Byte offsets of each block's fp16 fields (d, dmin / m): any other byte pattern is a valid block.
 FP16_FIELDS = {
@@ -77,7 +81,7 @@ def two_term_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", TYPES)
-def test_relayout_is_lossless(kind):
+def test_relayout_is_lossless(kernel, kind):
     k = width(kind, 160, 512)
     bw, ref, file_bytes = weight(kind, 48, k)
     if kind in E8M0_BYTE:  # every exponent byte with finite values: subnormal halves (0, 1) to 2^125
@@ -98,7 +102,7 @@ def test_relayout_is_lossless(kind):
 
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 48, BLOCKED_DENSE_MIN_ROWS + 8])
-def test_kernel_within_activation_rounding(kind, rows):
+def test_kernel_within_activation_rounding(kernel, kind, rows):
     # 1-2 rows: matrix-vector tiles with two chains; 3..8 one tile; 9, 17: uneven tiles; from 16 the
     # threads split rows; a prompt's rows run this kernel too with prompt_gemm "vnni" (every format's
     # choice then; "auto" picks it for codes wider than 4 bits).
@@ -115,7 +119,7 @@ def test_kernel_within_activation_rounding(kind, rows):
 
 
 @pytest.mark.parametrize("kind", TYPES)
-def test_a_rows_result_does_not_depend_on_its_tile(kind):
+def test_a_rows_result_does_not_depend_on_its_tile(kernel, kind):
     # A row's sums are exact integers and its fp32 scaling the same operations in the same order in
     # every tile shape (1-2 rows: both halves at once in two chains; from 3 rows: one chain, or for
     # Q2_K / Q3_K / Q6_K the group's two halves in turn, csrc/quant_vnni.h half_tile): so each row of
@@ -129,6 +133,12 @@ def test_a_rows_result_does_not_depend_on_its_tile(kind):
         assert torch.equal(got, alone)
 
 
+# What "auto" chooses per format where the CPU has VNNI and a native bf16 GEMM (this one, so far).
+vnni_bf16 = pytest.mark.skipif(not (quant_kernel.vnni_available() and cpu_isa.bf16_gemm_native()),
+                               reason="the per-format prompt paths are those of VNNI CPUs with native bf16")
+
+
+@vnni_bf16
 @pytest.mark.parametrize("kind", TYPES)
 def test_prompt_rows_can_run_bf16_gemm_on_the_file_values(kind):
     k = width(kind, 160, 512)
@@ -153,6 +163,7 @@ AUTO_PROMPT_GEMM = {
 }
 
 
+@vnni_bf16
 @pytest.mark.parametrize("kind", TYPES)
 def test_prompt_rows_take_their_formats_path_unless_one_is_asked_for(kind):
     k = width(kind, 64, 256)
@@ -171,6 +182,45 @@ def test_prompt_rows_take_their_formats_path_unless_one_is_asked_for(kind):
             BLOCKED_DENSE_MIN_ROWS if setting == "bf16" else None)
 
 
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+def test_one_term_within_its_rounding(kernel, kind, rows):
+    # llama.cpp's Q8 activations (terms = 1): each value rounded once, within d1 / 2 = amax / 254.
+    k = width(kind, 160, 512)
+    bw, ref, _ = weight(kind, 32, k, seed=rows + 20)
+    x = torch.randn(rows, k)
+    exact = x.double() @ ref.double().T
+    got = quant_kernel.blocked_linear(x, bw, terms=1).double()
+    g = k // 32
+    amax = x.double().abs().reshape(rows, g, 32).amax(-1)
+    wabs = ref.double().abs().reshape(ref.shape[0], g, 32).sum(-1)
+    bound = amax @ wabs.T / 254 * 1.01 + (g + 10) * 2.0**-24 * 4 * (x.double().abs() @ ref.double().abs().T)
+    assert ((got - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q5_0"])
+def test_prompt_rows_on_an_fp32_gemm_take_the_file_values(kernel, kind):
+    k = width(kind, 160, 512)
+    bw, ref, _ = weight(kind, 32, k, seed=6)
+    layer = QuantizedLinear(bw, None, prompt_gemm="fp32")
+    assert layer.bf16_from_rows is None and not layer.kernel_at_any_rows
+    x = torch.randn(AVX2_DENSE_MIN_ROWS, k)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))  # the file's values, fp32 throughout
+    assert torch.equal(layer(x[1:]), quant_kernel.blocked_linear(x[1:], bw))  # fewer rows: the kernel
+
+
+def test_auto_prompt_path_where_bf16_is_not_native(kernel, monkeypatch):
+    # oneDNN emulates bf16 at a fifth of fp32's speed there: AVX2 CPUs take the fp32 GEMM, VNNI ones
+    # (Ice Lake, Cascade Lake) their kernel at every row count, whatever the format.
+    monkeypatch.setattr(cpu_isa, "bf16_gemm_native", lambda: False)
+    for kind in ("Q4_1", "IQ4_XS", "Q6_K"):
+        bw, _, _ = weight(kind, 32, width(kind, 64, 256), seed=8)
+        layer = QuantizedLinear(bw, None)
+        assert layer.prompt_gemm == ("vnni" if kernel == "vnni" else "fp32")
+        assert layer.bf16_from_rows is None
+        assert layer.kernel_at_any_rows == (kernel == "vnni")
+
+
 def test_unknown_prompt_gemm_is_named():
     bw, _, _ = weight("Q4_0", 32, 64, seed=0)
     with pytest.raises(ValueError, match="prompt_gemm must be one of"):
@@ -178,14 +228,14 @@ def test_unknown_prompt_gemm_is_named():
 
 
 @pytest.mark.parametrize("kind", TYPES)
-def test_embedding_rows(kind):
+def test_embedding_rows(kernel, kind):
     k = width(kind, 96, 256)
     bw, ref, _ = weight(kind, 32, k, seed=5)
     ids = torch.tensor([0, 31, 16, 5, 16, 17])
     assert torch.equal(QuantizedEmbedding(bw)(ids), ref[ids])
 
 
-def test_stacked_blocked_weights_equal_separate_ones():
+def test_stacked_blocked_weights_equal_separate_ones(kernel):
     a, ra, _ = weight("Q4_K", 32, 256, seed=1)
     b, rb, _ = weight("Q4_K", 16, 256, seed=2)
     both = BlockedWeight.cat([a, b])
@@ -221,7 +271,7 @@ def test_conversion_in_row_chunks_is_the_same_weight(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q2_0", "Q1_0"])
-def test_shards_hold_the_file_values(kind):
+def test_shards_hold_the_file_values(kernel, kind):
     k = width(kind, 192, 768)
     bw, ref, _ = weight(kind, 64, k, seed=9)
     rows = bw.row_slice(16, 48)

@@ -16,6 +16,7 @@ from typing import Protocol
 from tokenmill.errors import InvalidRequest
 from tokenmill.kvcache.kv_groups import KVLayout
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.kernels import cpu_isa
 from tokenmill.model.kv_cache_format import KVCacheFormat
 from tokenmill.model.layers.factory import LayerPolicy, describe_fallbacks
 from tokenmill.model.llama import LlamaForCausalLM
@@ -58,6 +59,7 @@ def build_model(
     `prompt_gemm`: how quantized weights run prompt steps (EngineConfig.prompt_gemm).
     `kv_cache_memory_bytes`: when given, the pool holds the pages that fit in these bytes (in the
     format, this rank's heads, the layout) instead of `num_pages`; runner.num_pages says how many."""
+    cpu_isa.cap()  # a TOKENMILL_CPU_ISA it does not know fails here, naming it
     loaded = load_weights(path)
     source = loaded.source
     mc = loaded.config

@@ -86,7 +86,7 @@ def _vnni_at_any_rows(linear) -> bool:
     parts = getattr(linear, "parts", None)
     if parts is not None:
         return all(_vnni_at_any_rows(p) for p in parts)
-    return isinstance(linear, QuantizedLinear) and linear.bf16_from_rows is None
+    return isinstance(linear, QuantizedLinear) and linear.kernel_at_any_rows
 
 
 def _attention_for(config: ModelConfig, window: int | None) -> TorchPagedAttention:

@@ -121,7 +121,7 @@ def to_blocked_gguf(type_name: str, raw: torch.Tensor, shape: tuple[int, int]) -
     blocks in order; may be a view on a memory map: the result owns its memory), shape (N, K).
     Q4_0 / Q4_1 / Q8_0 go through the row layout, so their numbers are QuantizedWeight's. Raises
     ValueError naming the problem when N or K does not fit (N % 16, K % the format's block). Only
-    the VNNI kernels read the result: call it where `quant_kernel.vnni_available()`."""
+    the blocked kernels (VNNI, AVX2) read the result: call it where `quant_kernel.blocked_kernel()`."""
     n, k = shape
     if type_name in NATIVE_GGUF_TYPES:
         if n % 16:

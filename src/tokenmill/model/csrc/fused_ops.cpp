@@ -48,10 +48,11 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
   const int64_t stride = qkv.stride(0);
-  const bool wide = use_avx512();
+  const int isa = row_isa();
   with_input(qkv, bf16, [&](const auto* src) {
     at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-      if (wide) rope_rows_avx512(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
+      if (isa == 2) rope_rows_avx512(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
+      else if (isa == 1) rope_rows_avx2(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
       else rope_rows_base(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
     });
   });
@@ -97,11 +98,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   const int64_t T = gate_up.size(0), inter = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
   at::Tensor out = at::empty({T, inter}, gate_up.options());
-  const bool wide = use_avx512();
+  const int isa = row_isa();
   with_input(gate_up, bf16, [&](const auto* src) {
     with_output(out, bf16, [&](auto* o) {
       at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-        if (wide) silu_mul_rows_avx512(src, inter, o, t0, t1);
+        if (isa == 2) silu_mul_rows_avx512(src, inter, o, t0, t1);
+        else if (isa == 1) silu_mul_rows_avx2(src, inter, o, t0, t1);
         else silu_mul_rows_base(src, inter, o, t0, t1);
       });
     });
@@ -122,11 +124,12 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta_in, const at::Te
   float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  const bool wide = use_avx512();
+  const int isa = row_isa();
   with_input(delta, bf16_in, [&](const auto* dp) {
     with_output(out, bf16_out, [&](auto* o) {
       at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-        if (wide) add_rms_norm_rows_avx512(xp, dp, wp, hidden, e, o, t0, t1);
+        if (isa == 2) add_rms_norm_rows_avx512(xp, dp, wp, hidden, e, o, t0, t1);
+        else if (isa == 1) add_rms_norm_rows_avx2(xp, dp, wp, hidden, e, o, t0, t1);
         else add_rms_norm_rows_base(xp, dp, wp, hidden, e, o, t0, t1);
       });
     });

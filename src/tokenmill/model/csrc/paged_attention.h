@@ -3,6 +3,7 @@
 // (the kernels: paged_attention_rows.h, paged_attention_runs.h; layout and helpers:
 // paged_attention_common.h).
 
+#include "cpu_isa_cap.h"
 #include "paged_attention_rows.h"
 #include "paged_attention_runs.h"
 
@@ -62,9 +63,10 @@ enum Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 Isa detect_isa() {
 #ifdef TM_HAVE_X86_VARIANTS
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16")) return kAvx512Bf16;
-  if (__builtin_cpu_supports("x86-64-v4")) return kAvx512;
-  if (__builtin_cpu_supports("x86-64-v3")) return kAvx2;
+  const bool avx512 = tm_isa::allows(tm_isa::kCapAvx512) && __builtin_cpu_supports("x86-64-v4");
+  if (avx512 && __builtin_cpu_supports("avx512bf16")) return kAvx512Bf16;
+  if (avx512) return kAvx512;
+  if (tm_isa::allows(tm_isa::kCapAvx2) && __builtin_cpu_supports("x86-64-v3")) return kAvx2;
 #endif
   return kGeneric;
 }

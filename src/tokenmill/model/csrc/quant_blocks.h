@@ -64,7 +64,7 @@ inline int fmt_bits(int fmt) {
     default: return 0;
   }
 }
-inline bool fmt_super(int fmt) { return fmt >= kQ2K; }
+constexpr bool fmt_super(int fmt) { return fmt >= kQ2K; }
 // Groups of 32 inputs one scale record covers (model/blocked_formats.py BlockFormat.scale_groups).
 inline int64_t fmt_scale_groups(int fmt) { return fmt_super(fmt) ? kSuper : fmt == kQ2_0 ? 2 : fmt == kQ1_0 ? 4 : 1; }
 inline int fmt_subs(int fmt) { return fmt == kMXFP4 ? 1 : fmt == kIQ4XS ? 8 : 16; }  // sub-block bytes per scale record
@@ -182,6 +182,7 @@ struct Super {
   static constexpr bool kCodebook = Codebook;
   TV_TARGET static TV_INLINE __m512i codebook() { return iq4_table(); }
   static constexpr int kSubBytes = Fmt_ == kIQ4XS ? 8 : 16;
+  static constexpr Sub kKind = Kind;
   static TV_INLINE bool has_min(const Weights&) { return Kind != Sub::kInt8; }
   static TV_INLINE const uint8_t* sub(const Weights& w, int64_t nb, int64_t g, int i) {
     const int64_t s = nb * (w.G / kSuper) + g / kSuper;

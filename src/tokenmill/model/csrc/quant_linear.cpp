@@ -29,6 +29,7 @@
 
 #include <immintrin.h>
 
+#include "cpu_isa_cap.h"
 #include "quant_bf16.h"
 
 #include <algorithm>
@@ -226,10 +227,10 @@ enum Isa : int64_t { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
 Isa detect_isa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  if (tm_isa::allows(tm_isa::kCapAvx512) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c"))
     return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  if (tm_isa::allows(tm_isa::kCapAvx2) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
 #endif
   return kBaseline;
 }

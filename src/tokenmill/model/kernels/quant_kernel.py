@@ -1,10 +1,12 @@
-"""Wrapper of the C++ quantized-linear kernel (csrc/quant_linear.cpp), built on first use.
+"""Wrappers of the C++ quantized-linear kernels, built on first use.
 
-`linear` multiplies fp32 activations with a QuantizedWeight without ever materialising the dense
-matrix; `dequantize` turns one into a dense fp32 or bf16 matrix quickly (for large batches, where a
-oneDNN GEMM over a just-dequantized bf16 copy beats any matrix-vector kernel). When the extension
-cannot be built, `available()` is False and model/layers/quantized_linear.py falls back to PyTorch.
-TOKENMILL_DISABLE_CPU_KERNEL=1 disables it, like the attention kernel.
+Two layouts: the row layout (csrc/quant_linear.cpp: `linear`, `dequantize`), for weights whose row
+count is not a multiple of 16 and CPUs without AVX2; and the column-blocked layout every GGUF block
+type is re-laid into (`blocked_*`), run by csrc/quant_vnni.h on AVX512-VNNI CPUs and by
+csrc/quant_avx2.h on AVX2 ones (same ops, same layout: `blocked_kernel` says which). For large
+batches a oneDNN GEMM over a just-dequantized copy beats any matrix-vector kernel. When an extension
+cannot be built, its `available()` is False and model/layers/quantized_linear.py falls back to
+PyTorch. TOKENMILL_DISABLE_CPU_KERNEL=1 disables them, like the attention kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 _ROW = LazyExtension("quant_linear", "CPU quantized-linear kernel", logger)
 _VNNI = LazyExtension("quant_vnni", "CPU VNNI quantized-linear kernel", logger)
+_AVX2 = LazyExtension("quant_avx2", "CPU AVX2 quantized-linear kernel", logger)
 _EMPTY = torch.empty(0, dtype=torch.float16)
 
 
@@ -32,6 +35,22 @@ def vnni_available() -> bool:
     return available() and _VNNI.available() and bool(torch.ops.tokenmill_vnni.supported())
 
 
+def avx2_blocked_available() -> bool:
+    """Whether the column-blocked AVX2 kernel (csrc/quant_avx2.h) runs on this CPU."""
+    return _AVX2.available() and bool(torch.ops.tokenmill_avx2.supported())
+
+
+def blocked_kernel() -> str | None:
+    """Which kernel runs column-blocked weights here: "vnni", "avx2", or None (no blocked kernel)."""
+    if vnni_available():
+        return "vnni"
+    return "avx2" if avx2_blocked_available() else None
+
+
+def _blocked_ops():
+    return torch.ops.tokenmill_vnni if blocked_kernel() == "vnni" else torch.ops.tokenmill_avx2
+
+
 def blocked_args(w: BlockedWeight) -> tuple:
     """A blocked weight as the VNNI ops take it: codes, scales, mins, subs, format id, N."""
     return (w.codes, w.scales, or_empty(w.mins), or_empty(w.subs), w.fmt, w.shape[0])
@@ -39,12 +58,12 @@ def blocked_args(w: BlockedWeight) -> tuple:
 
 def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2) -> torch.Tensor:
     """terms: int8 terms per activation (2: ~15 bits, near fp32 quality; 1: llama.cpp's Q8)."""
-    return torch.ops.tokenmill_vnni.linear(x, *blocked_args(w), terms)
+    return _blocked_ops().linear(x, *blocked_args(w), terms)
 
 
 def bound_blocked_linear(w: BlockedWeight, terms: int = 2):
     """`blocked_linear` with the weight's arguments bound: x -> x @ w.T (the decode hot path)."""
-    op = torch.ops.tokenmill_vnni.linear.default
+    op = _blocked_ops().linear.default
     args = (*blocked_args(w), terms)
     return lambda x: op(x, *args)
 
@@ -52,7 +71,7 @@ def bound_blocked_linear(w: BlockedWeight, terms: int = 2):
 def bound_blocked_linear_parts(ws: list[BlockedWeight], terms: int = 2):
     """x -> [x @ w.T for w in ws] side by side in one float32 output, x rounded once (a fused q/k/v
     whose parts are in different formats: csrc/quant_vnni.cpp `linear_parts`)."""
-    op = torch.ops.tokenmill_vnni.linear_parts.default
+    op = _blocked_ops().linear_parts.default
     tensors = [t for w in ws for t in (w.codes, w.scales, or_empty(w.mins), or_empty(w.subs))]
     fmts, ns = [w.fmt for w in ws], [w.shape[0] for w in ws]
     return lambda x: op(x, tensors, fmts, ns, terms)
@@ -60,12 +79,21 @@ def bound_blocked_linear_parts(ws: list[BlockedWeight], terms: int = 2):
 
 def blocked_dequantize_bf16(w: BlockedWeight) -> torch.Tensor:
     """The dense bf16 [N, K] matrix: gguf-py's values rounded once to bf16."""
+    if blocked_kernel() != "vnni":
+        return blocked_dequantize_fp32(w).bfloat16()
     return torch.ops.tokenmill_vnni.dequantize_bf16(*blocked_args(w), w.shape[1])
+
+
+def blocked_dequantize_fp32(w: BlockedWeight) -> torch.Tensor:
+    """The dense fp32 [N, K] matrix: gguf-py's values exactly."""
+    if blocked_kernel() != "vnni":
+        return torch.ops.tokenmill_avx2.dequantize(*blocked_args(w), w.shape[1])
+    return blocked_rows(w, torch.arange(w.shape[0]))
 
 
 def blocked_rows(w: BlockedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` as fp32 [T, K], gguf-py's values exactly (embedding lookups)."""
-    return torch.ops.tokenmill_vnni.dequantize_rows(*blocked_args(w), w.shape[1], ids)
+    return _blocked_ops().dequantize_rows(*blocked_args(w), w.shape[1], ids)
 
 
 def or_empty(t: torch.Tensor | None) -> torch.Tensor:

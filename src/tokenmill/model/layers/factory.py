@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model import quant
-from tokenmill.model.kernels import quant_kernel
+from tokenmill.model.kernels import cpu_isa, quant_kernel
 from tokenmill.model.layers.dense_linear import DenseLinear
 from tokenmill.model.layers.quantized_linear import NEVER_DENSE, QuantizedEmbedding, QuantizedLinear
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight, quantize_int4, quantize_int8
@@ -30,9 +30,9 @@ _PACKED = (QuantizedWeight, BlockedWeight)
 
 
 def kernel_types() -> frozenset[str]:
-    """GGUF types the kernels read as they are on this CPU: all of KERNEL_TYPES with AVX512-VNNI,
-    else the row-layout kernel's Q4_0 / Q4_1 / Q8_0."""
-    if quant_kernel.vnni_available():
+    """GGUF types the kernels read as they are on this CPU: all of KERNEL_TYPES where a blocked kernel
+    runs (AVX512-VNNI or AVX2), else the row-layout kernel's Q4_0 / Q4_1 / Q8_0."""
+    if quant_kernel.blocked_kernel():
         return frozenset(quant.KERNEL_TYPES)
     return frozenset(quant.NATIVE_GGUF_TYPES)
 
@@ -95,7 +95,7 @@ class LayerPolicy:
 
 
 def _kernel_form(w: GGUFWeight) -> QuantizedWeight | BlockedWeight:
-    if quant_kernel.vnni_available():  # converted from the mapped bytes, in row chunks
+    if quant_kernel.blocked_kernel():  # converted from the mapped bytes, in row chunks
         return quant.to_blocked_gguf(w.kind, w.raw, w.shape)
     return quant.from_gguf_blocks(w.kind, w.raw, w.shape)  # the row-layout kernel
 
@@ -153,29 +153,35 @@ def make_linear(parts: list[Weight], bias: torch.Tensor | None, policy: LayerPol
         return DenseLinear(weight, bias, None)
     # A dense lm_head stays fp32 (bf16 GEMMs round the logits to bf16: ties, see above); quantize it
     # (--quantization int8) for speed.
-    return DenseLinear(weight, bias, None if lm_head else policy.bf16_min_rows)
+    return DenseLinear(weight, bias, None if lm_head else _bf16_rows(policy))
 
 
 def _single(w: Weight, policy: LayerPolicy):
     if isinstance(w, _PACKED):
         return QuantizedLinear(w, None, prompt_gemm=policy.prompt_gemm)
-    return DenseLinear(w, None, None if policy.precision == "exact" else policy.bf16_min_rows)
+    return DenseLinear(w, None, None if policy.precision == "exact" else _bf16_rows(policy))
+
+
+def _bf16_rows(policy: LayerPolicy) -> int | None:
+    """From how many rows a dense fast-mode linear takes a bf16 GEMM: the policy's count where the CPU
+    multiplies bf16 natively, else never (fp32 GEMMs; kernels/cpu_isa.py)."""
+    return policy.bf16_min_rows if cpu_isa.bf16_gemm_native() else None
 
 
 class ConcatLinear:
-    """Several linears over the same input, outputs side by side. Where every part runs the VNNI
+    """Several linears over the same input, outputs side by side. Where every part runs the blocked
     kernel for the call's rows (a GGUF mix's q/k/v in two formats), one kernel call does them all:
     the input is rounded once and each part writes its columns in place (no concatenation)."""
 
     def __init__(self, parts: list, bias: torch.Tensor | None) -> None:
         self.parts = parts
         self.bias = bias
-        vnni = [p.vnni_weight for p in parts if isinstance(p, QuantizedLinear)]
-        self._together = (quant_kernel.bound_blocked_linear_parts(vnni)
-                          if len(vnni) == len(parts) and all(w is not None for w in vnni) else None)
+        blocked = [p.kernel_weight for p in parts if isinstance(p, QuantizedLinear)]
+        self._together = (quant_kernel.bound_blocked_linear_parts(blocked)
+                          if len(blocked) == len(parts) and all(w is not None for w in blocked) else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._together is not None and x.dtype == torch.float32 and all(p.runs_vnni(x.shape[0]) for p in self.parts):
+        if self._together is not None and x.dtype == torch.float32 and all(p.runs_kernel(x.shape[0]) for p in self.parts):
             out = self._together(x)
         else:
             out = torch.cat([p(x).float() for p in self.parts], dim=-1)

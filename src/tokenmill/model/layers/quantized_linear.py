@@ -1,17 +1,22 @@
 """A linear layer whose weight stays quantized in memory (model/quant.py), with a kernel per CPU.
 
-On AVX512-VNNI CPUs the weight is re-laid once into column blocks (`to_blocked`, or the loader's
-`to_blocked_gguf` for every GGUF block type in KERNEL_TYPES: K-quants, Q5, IQ4 in their own bits)
-and calls run csrc/quant_vnni.h: measured with SmolLM2's shapes, all 30 layers streamed, 2 threads, it reads Q4
-weights at ~20 GB/s for one row (3.2 ms a token). From BLOCKED_DENSE_MIN_ROWS rows (prefill chunks)
-the blocked weight is dequantized to a temporary bf16 matrix (10 ms for all 30 layers) for oneDNN's
-GEMM: 2048 rows 1.27 s vs 1.58 s. That speed costs precision: the weights, activations and outputs are
-rounded to bf16 there, and on the held-out text it is ~90% of the fast path's KL to exact (prompt
-steps on the two-term VNNI kernel: KL 10x lower for ~13% more CPU, docs/benchmarks.md "Where the
-fast path's disagreement comes from"), more for formats with more bits per code: so the choice is per
-format (`prompt_gemm_for`: Q4_1, Q4_K, IQ4 on bf16, the others on the kernel), or the engine's setting.
-Elsewhere the row-layout kernel (csrc/quant_linear.cpp) runs few rows, and many rows dequantize the weight to a temporary bf16 matrix for oneDNN's GEMM (paid
-once per call, amortised over the rows; the temporary is freed after the call).
+Where a column-blocked kernel runs (AVX512-VNNI: csrc/quant_vnni.h; AVX2: csrc/quant_avx2.h), the weight
+is re-laid once into column blocks (`to_blocked`, or the loader's `to_blocked_gguf` for every GGUF
+block type in KERNEL_TYPES: K-quants, Q5, IQ4 in their own bits). Measured with SmolLM2's shapes, all
+30 layers streamed, 2 threads, the VNNI kernel reads Q4 weights at ~20 GB/s for one row (3.2 ms a
+token). Prompt steps (many rows) take one of three paths (`prompt_gemm_for`):
+- "bf16": from BLOCKED_DENSE_MIN_ROWS rows the weight is dequantized to a temporary bf16 matrix (10 ms
+  for all 30 layers) for oneDNN's GEMM: 2048 rows 1.27 s vs 1.58 s on the kernel. That speed costs
+  precision: weights, activations and outputs are rounded to bf16, ~90% of the fast path's KL to exact
+  on the held-out text (docs/benchmarks.md "Where the fast path's disagreement comes from"), more for
+  formats with more bits per code; so under "auto" the choice is per format. Only where the CPU
+  multiplies bf16 natively (kernels/cpu_isa.py): elsewhere oneDNN emulates it at a fifth of fp32's speed.
+- "vnni": the blocked kernel at every row count, on the file's own values (two int8 terms).
+- "fp32": from AVX2_DENSE_MIN_ROWS rows the weight is dequantized to a temporary fp32 matrix for an fp32
+  GEMM: "auto" on AVX2 CPUs, whose kernel has no vpdpbusd (docs/benchmarks.md, "AVX2").
+Elsewhere the row-layout kernel (csrc/quant_linear.cpp) runs few rows, and many rows dequantize the
+weight to a temporary matrix (bf16 where native, else fp32) for oneDNN's GEMM (paid once per call,
+amortised over the rows; the temporary is freed after the call).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.kernels import quant_kernel
+from tokenmill.model.kernels import cpu_isa, quant_kernel
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight, to_blocked
 from tokenmill.model.quant_formats import FORMATS
 from tokenmill.model.quantization_modes import PROMPT_GEMMS
@@ -33,7 +38,10 @@ BLOCKED_DENSE_MIN_ROWS = 192
 # "auto": a GGUF type's own choice (quant_formats/registry.py `bf16_prompt`, measured per format);
 # weights quantized at load (int4 / int8) by bits per code, bf16 for at most this many.
 BF16_PROMPT_MAX_BITS = 4
-# Row-layout kernel only (no VNNI). Measured with SmolLM2-135M's shapes, all 30 layers streamed, 2 threads (docs/benchmarks.md): the
+# The AVX2 blocked kernel against dequantize + fp32 GEMM (prompt_gemm "fp32"): measured in
+# docs/benchmarks.md, "AVX2".
+AVX2_DENSE_MIN_ROWS = 128
+# Row-layout kernel only (no blocked kernel). Measured with SmolLM2-135M's shapes, all 30 layers streamed, 2 threads (docs/benchmarks.md): the
 # packed kernel wins clearly up to ~8 rows; from 16 rows dequantize + bf16 GEMM is as fast or faster.
 DENSE_MIN_ROWS = 12
 # dense_min_rows for a layer that must always run the packed kernel (the lm_head: fp32 logits).
@@ -41,14 +49,17 @@ NEVER_DENSE = 1 << 62
 
 
 def prompt_gemm_for(weight: QuantizedWeight | BlockedWeight, setting: str = "auto") -> str:
-    """How `weight`'s prompt steps run: `setting` itself, or for "auto" bf16 when every GGUF type the
-    weight holds allows it (registry `bf16_prompt`; "Q4_0+Q4_1" for a stacked one), or for weights
-    quantized at load when its codes have at most BF16_PROMPT_MAX_BITS bits, and the VNNI kernel
-    otherwise. Row-layout weights (no VNNI) always take the bf16 GEMM for many rows."""
+    """How `weight`'s prompt steps run: `setting` itself, or for "auto": where the CPU has no native
+    bf16 GEMM, the VNNI kernel (fast at every row count) or on AVX2 dequantize + fp32 GEMM; else bf16
+    when every GGUF type the weight holds allows it (registry `bf16_prompt`; "Q4_0+Q4_1" for a stacked
+    one), or for weights quantized at load when its codes have at most BF16_PROMPT_MAX_BITS bits, and
+    the VNNI kernel otherwise. Row-layout weights take a dense GEMM for many rows whatever this says."""
     if setting not in PROMPT_GEMMS:
         raise ValueError(f"prompt_gemm must be one of {PROMPT_GEMMS}, got {setting!r}")
     if setting != "auto":
         return setting
+    if not cpu_isa.bf16_gemm_native():
+        return "vnni" if quant_kernel.blocked_kernel() == "vnni" else "fp32"
     kinds = weight.kind.split("+")
     if all(k in FORMATS for k in kinds):
         return "bf16" if all(FORMATS[k].bf16_prompt for k in kinds) else "vnni"
@@ -58,63 +69,78 @@ def prompt_gemm_for(weight: QuantizedWeight | BlockedWeight, setting: str = "aut
 class QuantizedLinear:
     def __init__(self, weight: QuantizedWeight | BlockedWeight, bias: torch.Tensor | None,
                  dense_min_rows: int = DENSE_MIN_ROWS, prompt_gemm: str = "auto"):
-        if isinstance(weight, QuantizedWeight) and weight.shape[0] % 16 == 0 and quant_kernel.vnni_available():
+        if isinstance(weight, QuantizedWeight) and weight.shape[0] % 16 == 0 and quant_kernel.blocked_kernel():
             weight = to_blocked(weight)
-        prompt_gemm = prompt_gemm_for(weight, prompt_gemm)
+        self.prompt_gemm = prompt_gemm_for(weight, prompt_gemm)
         self.weight = weight
         self.bias = bias
         self.dense_min_rows = dense_min_rows
         self.kernel = quant_kernel.available()
-        # Decode calls this 121 times a token: the VNNI call is bound once here, not rebuilt per call
+        # Decode calls this 121 times a token: the kernel call is bound once here, not rebuilt per call
         # through wrappers (~3 us a call, ~6% of a batch-1 step).
-        self._vnni = quant_kernel.bound_blocked_linear(weight) if isinstance(weight, BlockedWeight) else None
-        self._vnni_rows = max(dense_min_rows, BLOCKED_DENSE_MIN_ROWS) if prompt_gemm == "bf16" else NEVER_DENSE
+        self._blocked = quant_kernel.bound_blocked_linear(weight) if isinstance(weight, BlockedWeight) else None
+        gemm_from = {"bf16": BLOCKED_DENSE_MIN_ROWS, "fp32": AVX2_DENSE_MIN_ROWS}.get(self.prompt_gemm)
+        self._gemm_rows = NEVER_DENSE if gemm_from is None else max(dense_min_rows, gemm_from)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._vnni is not None and x.shape[0] < self._vnni_rows and self.bias is None:
-            return self._vnni(x)
+        if self._blocked is not None and x.shape[0] < self._gemm_rows and self.bias is None:
+            return self._blocked(x)
         if isinstance(self.weight, BlockedWeight):
-            if x.shape[0] >= self._vnni_rows:
-                w = quant_kernel.blocked_dequantize_bf16(self.weight)
-                out = F.linear(x.to(torch.bfloat16), w)
+            if x.shape[0] < self._gemm_rows:
+                out = quant_kernel.blocked_linear(x, self.weight)
+            elif self.prompt_gemm == "fp32":
+                out = F.linear(x.float(), quant_kernel.blocked_dequantize_fp32(self.weight))
+            else:
+                out = F.linear(x.to(torch.bfloat16), quant_kernel.blocked_dequantize_bf16(self.weight))
                 # bf16 in, bf16 out: the caller's fused ops read and write bf16 (no conversion passes)
                 if x.dtype == torch.bfloat16 and self.bias is None:
                     return out
                 out = out.float()
-            else:
-                out = quant_kernel.blocked_linear(x, self.weight)
         elif self.kernel and x.shape[0] < self.dense_min_rows:
             out = quant_kernel.linear(x, self.weight)
         else:
-            w = quant_kernel.dequantize(self.weight) if self.kernel else self.weight.dequantize(torch.bfloat16)
-            out = F.linear(x.to(torch.bfloat16), w).float()
+            dtype = torch.bfloat16 if cpu_isa.bf16_gemm_native() else torch.float32
+            w = quant_kernel.dequantize(self.weight, dtype) if self.kernel else self.weight.dequantize(dtype)
+            out = F.linear(x.to(dtype), w).float()
         return out if self.bias is None else out.add_(self.bias)
 
-    def runs_vnni(self, rows: int) -> bool:
-        """Whether a call of `rows` rows runs the VNNI kernel on a float32 input, as it comes."""
-        return self._vnni is not None and rows < self._vnni_rows and self.bias is None
+    def runs_kernel(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs the blocked kernel on a float32 input, as it comes."""
+        return self.kernel_weight is not None and rows < self._gemm_rows
+
+    @property
+    def kernel_weight(self) -> BlockedWeight | None:
+        """The column-blocked weight when calls of few rows run a blocked kernel (VNNI or AVX2), else None."""
+        return self.weight if self._blocked is not None and self.bias is None else None
 
     @property
     def vnni_weight(self) -> BlockedWeight | None:
         """The column-blocked weight when calls below BLOCKED_DENSE_MIN_ROWS rows run the VNNI kernel
         (what the fused decode step runs too), else None."""
-        return self.weight if self._vnni is not None and self.bias is None else None
+        return self.kernel_weight if quant_kernel.blocked_kernel() == "vnni" else None
+
+    @property
+    def kernel_at_any_rows(self) -> bool:
+        """Whether every call runs the blocked kernel (prompt_gemm "vnni"), never a dense GEMM."""
+        return self._blocked is not None and self._gemm_rows == NEVER_DENSE
 
     @property
     def bf16_from_rows(self) -> int | None:
         """From how many rows a bf16 input gives a bf16 output (the dequantize + bf16 GEMM path), or
         None where the layer always returns float32."""
-        if isinstance(self.weight, BlockedWeight) and self.bias is None and self._vnni_rows < NEVER_DENSE:
-            return self._vnni_rows
+        if isinstance(self.weight, BlockedWeight) and self.bias is None and self.prompt_gemm == "bf16":
+            return self._gemm_rows
         return None
 
     def describe(self) -> str:
         if isinstance(self.weight, BlockedWeight):
-            path = "column-blocked AVX512-VNNI kernel, activations as two int8 terms"
-            if self._vnni_rows < NEVER_DENSE:
-                path += f"; bf16 GEMM from {self._vnni_rows} rows"
+            isa = "AVX512-VNNI" if quant_kernel.blocked_kernel() == "vnni" else "AVX2"
+            path = f"column-blocked {isa} kernel, activations as two int8 terms"
+            if self._gemm_rows < NEVER_DENSE:
+                path += f"; {self.prompt_gemm} GEMM from {self._gemm_rows} rows"
             return f"{self.weight.kind} ({self.weight.bits}-bit, {path})"
-        path = f"packed kernel below {self.dense_min_rows} rows, bf16 GEMM above" if self.kernel else "bf16 GEMM"
+        dense = "bf16" if cpu_isa.bf16_gemm_native() else "fp32"
+        path = f"packed kernel below {self.dense_min_rows} rows, {dense} GEMM above" if self.kernel else f"{dense} GEMM"
         return f"{self.weight.kind} ({self.weight.bits}-bit, {path})"
 
 

@@ -1,0 +1,159 @@
+// The blocked quantized-linear ops on AVX2 CPUs (the kernel: quant_avx2.h; the layout and formats:
+// quant_vnni.h, quant_blocks.h). Same op signatures as tokenmill_vnni's, so the Python side picks a
+// namespace, not a call shape; plus `dequantize`, the fp32 matrix those CPUs' prompt GEMMs take.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "quant_avx2.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using namespace tm_avx2;
+using tm_vnni::with_decoder;
+
+template <int Terms>
+TA_TARGET void blocks(const Weights& w, const tm_vnni::Acts& a, int64_t m0, int64_t m1, int64_t N, int64_t nb0,
+                      int64_t nb1, float* y) {
+  with_decoder(w.fmt, [&]<class D>() { blocks_of<D, Terms>(w, a, m0, m1, N, nb0, nb1, y); });
+}
+
+Weights checked(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& subs,
+                int64_t fmt, int64_t N, int64_t K) {
+  TORCH_CHECK(avx2_supported(), "this CPU has no AVX2 (or TOKENMILL_CPU_ISA does not allow it)");
+  return tm_vnni::check_shapes(codes, scales, mins, subs, fmt, N, K);
+}
+
+// y [M, N] = x @ W^T for weights side by side (one, or the parts of a fused linear whose formats
+// differ: part i's column blocks start at block0[i], block0 ends with N / 16), x rounded once.
+at::Tensor multiply(const at::Tensor& x_in, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
+                    int64_t terms) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const int64_t floats = tm_vnni::acts_floats(M, K, terms);
+  thread_local std::vector<float> kept;  // decode-sized calls keep their scratch (quant_vnni.cpp)
+  at::Tensor scratch;
+  float* base;
+  if (floats <= (int64_t{1} << 18)) {
+    if (static_cast<int64_t>(kept.size()) < floats) kept.resize(floats);
+    base = kept.data();
+  } else {
+    scratch = at::empty({floats}, x.options());
+    base = scratch.data_ptr<float>();
+  }
+  const tm_vnni::Acts a = tm_vnni::make_acts(base, M, K, terms);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Rows are rounded once (by one thread for a decode step: no fork for 1-2 rows), then threads take
+  // column blocks, at least ~32k weights each.
+  auto round = [&](int64_t m0, int64_t m1) {
+    if (terms == 2) round_rows<2>(xp, K, m0, m1, a);
+    else round_rows<1>(xp, K, m0, m1, a);
+  };
+  if (M <= 16) round(0, M);
+  else at::parallel_for(0, M, 16, round);
+  const int64_t grain = std::max<int64_t>(1, 32768 / (kCols * K));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    for (size_t i = 0; i < w.size(); ++i) {
+      const int64_t lo = std::max(b0, block0[i]), hi = std::min(b1, block0[i + 1]);
+      if (lo >= hi) continue;
+      float* yi = yp + block0[i] * kCols;
+      if (terms == 2) blocks<2>(w[i], a, 0, M, N, lo - block0[i], hi - block0[i], yi);
+      else blocks<1>(w[i], a, 0, M, N, lo - block0[i], hi - block0[i], yi);
+    }
+  });
+  return y;
+}
+
+void check_x(const at::Tensor& x, int64_t terms) {
+  TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                  const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms) {
+  check_x(x, terms);
+  return multiply(x, {checked(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, terms);
+}
+
+// Several weights over the same x, outputs side by side (quant_vnni.cpp linear_parts).
+at::Tensor linear_parts(const at::Tensor& x, at::TensorList weights, at::IntArrayRef fmts, at::IntArrayRef Ns,
+                        int64_t terms) {
+  check_x(x, terms);
+  const size_t P = fmts.size();
+  TORCH_CHECK(P > 0 && Ns.size() == P && weights.size() == 4 * P,
+              "one format, one N and four tensors (codes, scales, mins, subs) per part");
+  std::vector<Weights> w(P);
+  std::vector<int64_t> block0(P + 1, 0);
+  for (size_t i = 0; i < P; ++i) {
+    w[i] = checked(weights[4 * i], weights[4 * i + 1], weights[4 * i + 2], weights[4 * i + 3], fmts[i], Ns[i], x.size(1));
+    block0[i + 1] = block0[i] + Ns[i] / kCols;
+  }
+  return multiply(x, w, block0, terms);
+}
+
+template <class D>
+TA_TARGET void dequantize_blocks(const Weights& w, int64_t K, int64_t nb0, int64_t nb1, float* out) {
+  for (int64_t nb = nb0; nb < nb1; ++nb)
+    for (int half = 0; half < 2; ++half)
+      for (int64_t g = 0; g < w.G; ++g)
+        decode_half<D>(w, nb, g, half, MatrixSink{out + (nb * kCols + kHalf * half) * K + g * kGroup, K});
+}
+
+// The whole weight as fp32 [N, K]: gguf-py's values (a prompt step's GEMM on CPUs without a native bf16 one).
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& subs,
+                      int64_t fmt, int64_t N, int64_t K) {
+  const Weights w = checked(codes, scales, mins, subs, fmt, N, K);
+  at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  with_decoder(w.fmt, [&]<class D>() {
+    at::parallel_for(0, N / kCols, 1, [&](int64_t b0, int64_t b1) { dequantize_blocks<D>(w, K, b0, b1, o); });
+  });
+  return out;
+}
+
+template <class D>
+TA_TARGET void lookup_rows(const Weights& w, int64_t K, const int64_t* ids, int64_t t0, int64_t t1, float* out) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t nb = ids[t] / kCols, c = ids[t] % kCols;
+    for (int64_t g = 0; g < w.G; ++g)
+      decode_half<D>(w, nb, g, static_cast<int>(c / kHalf), ColumnSink{out + t * K + g * kGroup, static_cast<int>(c % kHalf)});
+  }
+}
+
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                           const at::Tensor& subs, int64_t fmt, int64_t N, int64_t K, const at::Tensor& ids_in) {
+  const Weights w = checked(codes, scales, mins, subs, fmt, N, K);
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t T = ids.numel();
+  at::Tensor out = at::empty({T, K}, scales.options().dtype(at::kFloat));
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(idp[t] >= 0 && idp[t] < N, "row id ", idp[t], " is outside [0, ", N, ")");
+  float* o = out.data_ptr<float>();
+  with_decoder(w.fmt, [&]<class D>() {
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) { lookup_rows<D>(w, K, idp, t0, t1, o); });
+  });
+  return out;
+}
+
+bool supported() { return avx2_supported(); }
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill_avx2, m) {
+  m.def("linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int terms=2) -> Tensor",
+        &linear);
+  m.def("linear_parts(Tensor x, Tensor[] weights, int[] fmts, int[] Ns, int terms=2) -> Tensor", &linear_parts);
+  m.def("dequantize(Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int K) -> Tensor",
+        &dequantize);
+  m.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int K, Tensor ids) "
+        "-> Tensor", &dequantize_rows);
+  m.def("supported() -> bool", &supported);
+}
