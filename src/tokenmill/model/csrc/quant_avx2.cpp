@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "blocked_ops.h"
 #include "quant_avx2.h"
 
 #include <algorithm>
@@ -37,18 +38,8 @@ at::Tensor multiply(const at::Tensor& x_in, const std::vector<Weights>& w, const
   const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const int64_t floats = tm_vnni::acts_floats(M, K, terms);
-  thread_local std::vector<float> kept;  // decode-sized calls keep their scratch (quant_vnni.cpp)
   at::Tensor scratch;
-  float* base;
-  if (floats <= (int64_t{1} << 18)) {
-    if (static_cast<int64_t>(kept.size()) < floats) kept.resize(floats);
-    base = kept.data();
-  } else {
-    scratch = at::empty({floats}, x.options());
-    base = scratch.data_ptr<float>();
-  }
-  const tm_vnni::Acts a = tm_vnni::make_acts(base, M, K, terms);
+  const tm_vnni::Acts a = tm_vnni::acts_scratch(M, K, terms, x, scratch);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Rows are rounded once (by one thread for a decode step: no fork for 1-2 rows), then threads take
@@ -87,16 +78,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
 at::Tensor linear_parts(const at::Tensor& x, at::TensorList weights, at::IntArrayRef fmts, at::IntArrayRef Ns,
                         int64_t terms) {
   check_x(x, terms);
-  const size_t P = fmts.size();
-  TORCH_CHECK(P > 0 && Ns.size() == P && weights.size() == 4 * P,
-              "one format, one N and four tensors (codes, scales, mins, subs) per part");
-  std::vector<Weights> w(P);
-  std::vector<int64_t> block0(P + 1, 0);
-  for (size_t i = 0; i < P; ++i) {
-    w[i] = checked(weights[4 * i], weights[4 * i + 1], weights[4 * i + 2], weights[4 * i + 3], fmts[i], Ns[i], x.size(1));
-    block0[i + 1] = block0[i] + Ns[i] / kCols;
-  }
-  return multiply(x, w, block0, terms);
+  const tm_vnni::Parts parts = tm_vnni::parts_of(weights, fmts, Ns, x.size(1), checked);
+  return multiply(x, parts.w, parts.block0, terms);
 }
 
 template <class D>
@@ -131,11 +114,10 @@ TA_TARGET void lookup_rows(const Weights& w, int64_t K, const int64_t* ids, int6
 at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                            const at::Tensor& subs, int64_t fmt, int64_t N, int64_t K, const at::Tensor& ids_in) {
   const Weights w = checked(codes, scales, mins, subs, fmt, N, K);
-  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const at::Tensor ids = tm_vnni::checked_ids(ids_in, N);
   const int64_t T = ids.numel();
   at::Tensor out = at::empty({T, K}, scales.options().dtype(at::kFloat));
   const int64_t* idp = ids.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(idp[t] >= 0 && idp[t] < N, "row id ", idp[t], " is outside [0, ", N, ")");
   float* o = out.data_ptr<float>();
   with_decoder(w.fmt, [&]<class D>() {
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) { lookup_rows<D>(w, K, idp, t0, t1, o); });

@@ -1,5 +1,6 @@
 // The VNNI quantized-linear ops (the kernel: quant_vnni.h; the formats: quant_blocks.h).
 
+#include "blocked_ops.h"
 #include "quant_bf16.h"
 #include "quant_vnni.h"
 
@@ -14,22 +15,9 @@ at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const st
   const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  // One scratch buffer for the quantized activations and their per-group numbers (an allocation per
-  // array was ~0.2 ms of a 6 ms batch-1 step: 121 calls a token), kept by the calling thread up to
-  // 1 MB (decode-sized calls: 0.3 us a call less than allocating one).
-  const int64_t floats = acts_floats(M, K, terms);
-  thread_local std::vector<float> kept;
   at::Tensor scratch;
-  float* base;
-  if (floats <= (int64_t{1} << 18)) {
-    if (static_cast<int64_t>(kept.size()) < floats) kept.resize(floats);
-    base = kept.data();
-  } else {
-    scratch = at::empty({floats}, x.options());
-    base = scratch.data_ptr<float>();
-  }
+  const Acts a = acts_scratch(M, K, terms, x, scratch);
   const float* xp = x.data_ptr<float>();
-  const Acts a = make_acts(base, M, K, terms);
   float* yp = y.data_ptr<float>();
   auto round = [&](int64_t m0, int64_t m1) {
     if (terms == 2) quantize_rows<2>(xp, K, m0, m1, a);
@@ -83,16 +71,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
 at::Tensor linear_parts(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef fmts, at::IntArrayRef Ns,
                         int64_t terms) {
   const at::Tensor x = checked_x(x_in, terms);
-  const size_t P = fmts.size();
-  TORCH_CHECK(P > 0 && Ns.size() == P && weights.size() == 4 * P,
-              "one format, one N and four tensors (codes, scales, mins, subs) per part");
-  std::vector<Weights> w(P);
-  std::vector<int64_t> block0(P + 1, 0);
-  for (size_t i = 0; i < P; ++i) {
-    w[i] = check(weights[4 * i], weights[4 * i + 1], weights[4 * i + 2], weights[4 * i + 3], fmts[i], Ns[i], x.size(1));
-    block0[i + 1] = block0[i] + Ns[i] / kCols;
-  }
-  return multiply(x, w, block0, terms);
+  const Parts parts = parts_of(weights, fmts, Ns, x.size(1), check);
+  return multiply(x, parts.w, parts.block0, terms);
 }
 
 // The fp32 values of one block and group: scale * (code - offset) + min, rounded once as gguf-py
@@ -188,11 +168,10 @@ TV_TARGET void lookup_rows(const Weights& w, int64_t N, int64_t K, const int64_t
 at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                            const at::Tensor& subs, int64_t fmt, int64_t N, int64_t K, const at::Tensor& ids_in) {
   const Weights w = check(codes, scales, mins, subs, fmt, N, K);
-  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const at::Tensor ids = checked_ids(ids_in, N);
   const int64_t T = ids.numel();
   at::Tensor out = at::empty({T, K}, scales.options().dtype(at::kFloat));
   const int64_t* idp = ids.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(idp[t] >= 0 && idp[t] < N, "row id ", idp[t], " is outside [0, ", N, ")");
   float* o = out.data_ptr<float>();
   with_decoder(w.fmt, [&]<class D>() {
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) { lookup_rows<D>(w, N, K, idp, t0, t1, o); });
