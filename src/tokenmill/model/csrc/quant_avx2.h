@@ -317,7 +317,8 @@ TA_TARGET void tile(const Weights& w, const tm_vnni::Acts& a, int64_t N, int64_t
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const uint8_t* codes = w.codes + nb * G * kBytes + 32 * half;
   for (int64_t g = 0; g < G; ++g, codes += kBytes) {
-    _mm_prefetch(reinterpret_cast<const char*>(codes + 2048), _MM_HINT_T0);
+#pragma GCC unroll 8  // every line of the group's codes fetched ahead (tile16)
+    for (int l = 0; l < kBytes / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + 2048 + 64 * l), _MM_HINT_T0);
     __m256i u[8], s[8];
     group_codes<D>(codes, u);
     if constexpr (kSigned<D>) {
