@@ -1,7 +1,7 @@
 """A CPU without AVX-512 (most of the CPUs people run models on), as this machine runs when
 TOKENMILL_CPU_ISA=avx2 caps its kernels: GGUF mixes load into the AVX2 blocked kernel (not bf16
-copies), prompts run that kernel or fp32 GEMMs (not the bf16 ones such a CPU emulates), and fast mode
-agrees with exact as it does on VNNI, on both prompt paths. The cap's variable is checked by name. The kernel's arithmetic per format is
+copies), prompts run that kernel too (not the bf16 GEMMs such a CPU emulates), and fast mode agrees
+with exact as it does on VNNI, at prompt and decode row counts. The cap's variable is checked by name. The kernel's arithmetic per format is
 tests/model/test_block_decoders.py's (its kernel tests run on both kernels)."""
 
 from __future__ import annotations
@@ -18,18 +18,16 @@ import torch
 from tests.model.test_gguf_mixes import MIXES, VOCAB, all_logits, engine, type_of
 from tests.tiny_models import make_tiny_model, write_tiny_gguf
 from tokenmill.model.kernels import cpu_isa, quant_kernel
-from tokenmill.model.layers.quantized_linear import AVX2_SIGNED_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKED = ("Q4_K_M", "IQ4_XS", "Q1_0")  # K-quants with Q5_0 / Q8_0; the codebooks; 1-2 bit + MXFP4
 IDS = [int(i) for i in torch.randint(3, VOCAB, (136,), generator=torch.Generator().manual_seed(1))]
 
 # Runs in a process capped at AVX2: what each mix's layers became, and the fast logits of a prompt
-# step of 136 rows (an fp32 GEMM from AVX2_DENSE_MIN_ROWS for the signed-byte formats) and of 8 rows.
+# step of 136 rows (the 4-row tiles, and an fp32 GEMM from AVX2_DENSE_MIN_ROWS were it chosen) and of 8 rows.
 SCRIPT = """
 import json, sys, torch
 from tokenmill.model.kernels import cpu_isa, quant_kernel
-from tokenmill.model.layers.quantized_linear import AVX2_SIGNED_KINDS
 from tokenmill.model.layers.quantized_linear import AVX2_DENSE_MIN_ROWS
 from tests.model.test_gguf_mixes import all_logits, engine
 ids, out = json.loads(sys.argv[1]), {}
@@ -75,8 +73,7 @@ def test_every_kernel_type_runs_on_the_avx2_kernel(avx2_run, mix):
     for part in ("o_proj", "down"):
         kind = type_of(MIXES[mix], part)
         assert layers[part].startswith(kind) and "column-blocked AVX2 kernel" in layers[part], layers[part]
-        # prompts: the kernel at every row count, or an fp32 GEMM for codes it multiplies as signed bytes
-        assert ("fp32 GEMM from" in layers[part]) == (kind in AVX2_SIGNED_KINDS), layers[part]
+        assert "GEMM from" not in layers[part], layers[part]  # prompts too run the kernel
     assert layers["fused"] is False  # the fused decode step is AVX-512 code: the op-by-op path runs
 
 

@@ -210,17 +210,13 @@ def test_prompt_rows_on_an_fp32_gemm_take_the_file_values(kernel, kind):
 
 
 def test_auto_prompt_path_where_bf16_is_not_native(kernel, monkeypatch):
-    # oneDNN emulates bf16 at a fifth of fp32's speed there: VNNI CPUs (Ice Lake, Cascade Lake) run
-    # their kernel at every row count, AVX2 ones too except for the formats whose codes it multiplies
-    # as signed bytes (8-bit, the codebooks), which take the fp32 GEMM from AVX2_DENSE_MIN_ROWS rows.
+    # oneDNN emulates bf16 at a fifth of fp32's speed there: VNNI CPUs (Ice Lake, Cascade Lake) and
+    # AVX2 ones run their kernel at every row count, whatever the format.
     monkeypatch.setattr(cpu_isa, "bf16_gemm_native", lambda: False)
     for kind in ("Q4_1", "IQ4_XS", "Q6_K", "Q8_0", "MXFP4", "Q1_0"):
         bw, _, _ = weight(kind, 32, width(kind, 64, 256), seed=8)
         layer = QuantizedLinear(bw, None)
-        gemm = kernel == "avx2" and kind in ("IQ4_XS", "Q8_0", "MXFP4")
-        assert layer.prompt_gemm == ("fp32" if gemm else "vnni")
-        assert layer.bf16_from_rows is None
-        assert layer.kernel_at_any_rows == (not gemm)
+        assert layer.prompt_gemm == "vnni" and layer.kernel_at_any_rows and layer.bf16_from_rows is None
 
 
 def test_unknown_prompt_gemm_is_named():

@@ -39,7 +39,7 @@ at::Tensor multiply(const at::Tensor& x_in, const std::vector<Weights>& w, const
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   at::Tensor scratch;
-  const tm_vnni::Acts a = tm_vnni::acts_scratch(M, K, terms, x, scratch);
+  const tm_vnni::Acts a = tm_vnni::acts_scratch(M, K, kLayoutTerms, x, scratch);  // merged int16 values
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Rows are rounded once (by one thread for a decode step: no fork for 1-2 rows), then threads take

@@ -1,6 +1,6 @@
 #pragma once
 // The column-blocked quantized linear (quant_vnni.h's layout and formats) on CPUs with AVX2 but no
-// AVX512-VNNI: y[M, N] = x[M, K] @ W^T, and the weight's values (fp32) for prompt GEMMs and lookups.
+// AVX512-VNNI: y[M, N] = x[M, K] @ W^T, and the weight's values (fp32) for lookups and prompt_gemm "fp32".
 //
 // Why: most CPUs people run models on have no AVX-512 (Intel client chips since Alder Lake, AMD before
 // Zen 4). Without this file every K-quant, Q5 and IQ4 tensor of a GGUF ran there dequantized to bf16
@@ -13,13 +13,13 @@
 // file reads those traits and unpacks by bit width and scale kind, so a new decoder needs nothing here
 // unless it brings a new width or scale kind.
 //
-// AVX2 has no vpdpbusd: an unsigned-by-signed byte product is vpmaddubsw (pairs summed into int16,
-// saturating) then vpmaddwd by ones (int32). Codes of at most 6 bits times activations of at most 127
-// cannot saturate, and kChain quads' int16 sums are added before the widening (4-bit: a group's 8).
-// Formats whose codes are stored + 128 (Q8_0, and the codebooks IQ4 / MXFP4) would saturate; they run
-// signed (llama.cpp's way): |code - 128| times the activation carrying the code's sign. For that
-// the activations' second term is clamped to [-127, 127] here (quant_acts.h allows -128), one fine step
-// at most, the same bound as its saturation at +128.
+// AVX2 has no vpdpbusd, and its byte product (vpmaddubsw) saturates int16 pair sums: 8-bit codes
+// would overflow, and the two activation terms need a product each. So activations keep their two
+// int8 terms merged into one int16 (256 q1 + q2, which the VNNI kernel forms from its two sums) and
+// codes are widened to int16: one vpmaddwd multiplies both terms exactly into int32 (pairs of inputs
+// per column), whatever the code width or offset. Measured against a vpmaddubsw version (2 threads,
+// 2048 x 2048): the same at 1-2 rows (memory-bound), and Q8_0 / IQ4_XS prompts 1.6-2x faster (its
+// codes stored + 128 had to run signed: |code - 128| times the activation given the code's sign).
 
 #include <immintrin.h>
 
@@ -191,8 +191,10 @@ TA_TARGET TA_INLINE void mins(const Weights& w, int64_t nb, int64_t g, int half,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Activations: quant_acts.h's rounding (same Acts layout and sums), with the second term clamped
-// to [-127, 127] (see the top of the file).
+// Activations: quant_acts.h's rounding (the same Acts numbers), each value's terms stored merged as
+// one int16, 256 q1 + q2 (q1 alone with one term): the records are always laid out for two terms
+// (64 bytes a group and row), and dx[Terms - 1] is the merged value's unit. The second term is
+// clamped to [-127, 127] as the first is (quant_acts.h lets it reach -128): |256 q1 + q2| <= 32639.
 
 TA_TARGET TA_INLINE float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -208,11 +210,7 @@ TA_TARGET TA_INLINE int32_t hsum(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// 8 int32 (each within int8) to 8 bytes at dst.
-TA_TARGET TA_INLINE void store_i8x8(int8_t* dst, __m256i q) {
-  const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packs_epi16(w16, w16));
-}
+constexpr int kLayoutTerms = 2;  // the Acts layout the AVX2 ops allocate, whatever the terms
 
 template <int Terms>
 TA_TARGET void round_group(const float* src, const tm_vnni::GroupOut& o) {
@@ -227,6 +225,7 @@ TA_TARGET void round_group(const float* src, const tm_vnni::GroupOut& o) {
   float inv_s = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
   float total_sum = 0.f, half_sum[2] = {0.f, 0.f};
   int32_t merged[kMergedSums] = {0, 0, 0};
+  __m256i x16[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
   for (int t = 0; t < Terms; ++t) {
     if (t > 0) {
       inv_s *= tm_vnni::kFineSteps;
@@ -237,7 +236,7 @@ TA_TARGET void round_group(const float* src, const tm_vnni::GroupOut& o) {
     for (int i = 0; i < 4; ++i) {
       q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
       if (t > 0) q[i] = _mm256_min_epi32(_mm256_max_epi32(q[i], _mm256_set1_epi32(-127)), _mm256_set1_epi32(127));
-      store_i8x8(o.xq + t * kGroup + 8 * i, q[i]);
+      x16[i] = _mm256_add_epi32(_mm256_slli_epi32(x16[i], 8), q[i]);
       v[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[i]), s, v[i]);
     }
     const int32_t first = hsum(_mm256_add_epi32(q[0], q[1])), total = first + hsum(_mm256_add_epi32(q[2], q[3]));
@@ -246,6 +245,11 @@ TA_TARGET void round_group(const float* src, const tm_vnni::GroupOut& o) {
     half_sum[0] = std::fma(scale, static_cast<float>(first), half_sum[0]);
     half_sum[1] = std::fma(scale, static_cast<float>(total - first), half_sum[1]);
     tm_vnni::merge_term_sums(merged, total, first);
+  }
+  int16_t* dst = reinterpret_cast<int16_t*>(o.xq);
+  for (int i = 0; i < 2; ++i) {  // 16 int32 (within int16) -> 16 int16, in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(x16[2 * i], x16[2 * i + 1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * i), packed);
   }
   *o.qsum = total_sum;
   for (int i = 0; i < kMergedSums; ++i) o.msum[i] = merged[i];
@@ -259,239 +263,130 @@ TA_TARGET void round_rows(const float* x, int64_t K, int64_t m0, int64_t m1, con
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t at = g * M + m;
-      round_group<Terms>(x + m * K + g * kGroup, tm_vnni::GroupOut{a.xq + at * Terms * kGroup, a.dx + at * Terms,
-                                                                       a.qsum + at, a.msum + at * kMergedSums,
-                                                                       a.hqsum + at * 2});
+      round_group<Terms>(x + m * K + g * kGroup,
+                         tm_vnni::GroupOut{a.xq + at * kLayoutTerms * kGroup, a.dx + at * kLayoutTerms, a.qsum + at,
+                                           a.msum + at * kMergedSums, a.hqsum + at * 2});
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// The product.
+// The product: codes widened to int16 (a quad's 8 columns x 4 inputs: two vectors of 4 columns),
+// times the row's merged int16 activations of the quad's 4 inputs (broadcast), vpmaddwd into int32
+// lanes of (column, input pair), added across the sub-block's quads; both pairs of a column summed
+// at the end (vphaddd). The int32 sum is the merged 256 D1 + D2 of quant_vnni.h (|x16| <= 32639,
+// codes <= 255: 32 inputs < 2^28), so offsets start it at -offset * msum as there, and the codes
+// stored + 128 (Q8_0, the codebooks) need no sign trick.
 
-template <class D>
-constexpr bool kSigned = D::kOffset == 128;  // codes stored + 128: run as signed bytes
-
-// Quads whose int16 pair sums can be added before widening: |code| * 127 * 2 per vpmaddubsw.
-template <class D>
-constexpr int chain() {
-  constexpr int max_code = kSigned<D> ? 128 : D::kBits == 1 ? 2 : (1 << D::kBits) - 1;
-  constexpr int n = 32767 / (max_code * 127 * 2);
-  return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
+TA_TARGET TA_INLINE __m256i bcast8(const int16_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm256_set1_epi64x(v);
 }
 
-TA_TARGET TA_INLINE __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// One (row, term)'s int32 sums over the quads [J0, J0 + Q) of a group, from `start`: u the unsigned
-// codes (or |code - 128|), s the codes - 128 whose signs the activations take (signed formats).
-template <class D, int Q>
-TA_TARGET TA_INLINE __m256i dot(const __m256i* u, const __m256i* s, const int8_t* x, __m256i start) {
-  constexpr int kChain = chain<D>() < Q ? chain<D>() : Q;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i sum = start;
-#pragma GCC unroll 8
-  for (int j = 0; j < Q; j += kChain) {
-    __m256i p = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int i = 0; i < kChain; ++i) {
-      __m256i xb = bcast4(x + 4 * (j + i));
-      if constexpr (kSigned<D>) xb = _mm256_sign_epi8(xb, s[j + i]);
-      p = i == 0 ? _mm256_maddubs_epi16(u[j + i], xb) : _mm256_add_epi16(p, _mm256_maddubs_epi16(u[j + i], xb));
-    }
-    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
-  }
-  return sum;
-}
-
-// R rows (m0..) x the 8 columns of half `half` of block nb: y[m0 + r, 16 nb + 8 half + c].
-template <class D, int R, int Terms>
-TA_TARGET void tile(const Weights& w, const tm_vnni::Acts& a, int64_t N, int64_t m0, int64_t nb, int half, float* y) {
+// R rows (m0..) x the 8 columns of each of H halves (H = 2: both, from half 0; H = 1: half `half0`).
+template <class D, int R, int H, int Terms>
+TA_TARGET void tile(const Weights& w, const tm_vnni::Acts& a, int64_t N, int64_t m0, int64_t nb, int half0, float* y) {
   constexpr int64_t kBytes = D::kBits * 64;
   constexpr int kSubs = D::kSubs, kQuads = 8 / kSubs;
   const int64_t G = w.G, M = a.M;
   const bool has_min = D::has_min(w);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const uint8_t* codes = w.codes + nb * G * kBytes + 32 * half;
-  for (int64_t g = 0; g < G; ++g, codes += kBytes) {
-#pragma GCC unroll 8  // every line of the group's codes fetched ahead (tile16)
-    for (int l = 0; l < kBytes / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + 2048 + 64 * l), _MM_HINT_T0);
-    __m256i u[8], s[8];
-    group_codes<D>(codes, u);
-    if constexpr (kSigned<D>) {
-      for (int j = 0; j < 8; ++j) {
-        s[j] = _mm256_xor_si256(u[j], _mm256_set1_epi8(static_cast<char>(0x80)));
-        u[j] = _mm256_abs_epi8(s[j]);
-      }
-    }
-    __m256 sc[kSubs], mn[kSubs];
-    scales<D>(w, nb, g, half, sc);
-    if (has_min) mins<D>(w, nb, g, half, mn);
-    const int64_t at = g * M + m0;
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xq = a.xq + (at + r) * Terms * kGroup;
-      const int32_t* msum = a.msum + (at + r) * kMergedSums;
-      const __m256 dxr = _mm256_set1_ps(a.dx[(at + r) * Terms + Terms - 1]);
-      for (int h = 0; h < kSubs; ++h) {
-        __m256i d[Terms];
-        for (int t = 0; t < Terms; ++t) {
-          // codes stored + offset: the last term's sum starts from -offset * the merged sum of x
-          int32_t start = 0;
-          if constexpr (!kSigned<D> && D::kOffset != 0)
-            if (t == Terms - 1) start = -D::kOffset * msum[kSubs == 1 ? 0 : 1 + h];
-          d[t] = dot<D, kQuads>(u + h * kQuads, s + h * kQuads, xq + t * kGroup + h * 16, _mm256_set1_epi32(start));
-        }
-        const __m256i mrg = Terms == 1 ? d[0] : _mm256_add_epi32(_mm256_slli_epi32(d[0], 8), d[Terms - 1]);
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(mrg), dxr), sc[h], acc[r]);
-        if (has_min) {
-          const float xs = kSubs == 1 ? a.qsum[at + r] : a.hqsum[(at + r) * 2 + h];
-          acc[r] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(xs), acc[r]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N + nb * kCols + kHalf * half, acc[r]);
-}
-
-// R rows (1-2: decode) x all 16 columns of block nb, both halves at once: each pair of quads (J,
-// J + 4) of both halves is unpacked once and multiplied into every (row, term, half, sub-block)
-// int16 sum, widened into int32 every kChain quads; an activation broadcast serves both halves.
-template <class D, int R, int Terms>
-TA_TARGET void tile16(const Weights& w, const tm_vnni::Acts& a, int64_t N, int64_t m0, int64_t nb, float* y) {
-  constexpr int64_t kBytes = D::kBits * 64;
-  constexpr int kSubs = D::kSubs, kChain = chain<D>() < 8 / kSubs ? chain<D>() : 8 / kSubs;  // quads a sum sees
-  const int64_t G = w.G, M = a.M;
-  const bool has_min = D::has_min(w);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][2];
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[R][H];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int hf = 0; hf < H; ++hf) acc[r][hf] = _mm256_setzero_ps();
   const uint8_t* codes = w.codes + nb * G * kBytes;
   for (int64_t g = 0; g < G; ++g, codes += kBytes) {
-    // the group's codes fetched ahead, every line (quant_vnni.h tile: 2 kB, 4 kB for 8-bit codes)
+    // every line of the group's codes fetched ahead (quant_vnni.h tile: 2 kB, 4 kB for 8-bit codes):
+    // with the weights streamed, Q5_K's one-row step went from ~35 to ~16 ns a group (1 thread)
     constexpr int kAhead = D::kBits == 8 ? 4096 : 2048;
 #pragma GCC unroll 8
     for (int l = 0; l < kBytes / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + kAhead + 64 * l), _MM_HINT_T0);
+    __m256i q[H][8];
+#pragma GCC unroll 2
+    for (int hf = 0; hf < H; ++hf) group_codes<D>(codes + 32 * (H == 2 ? hf : half0), q[hf]);
     const int64_t at = g * M + m0;
-    __m256i s32[R][Terms][2][kSubs], s16[R][Terms][2][kSubs];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-      #pragma GCC unroll 16
-      for (int t = 0; t < Terms; ++t)
-        #pragma GCC unroll 16
-        for (int hf = 0; hf < 2; ++hf)
-          #pragma GCC unroll 16
-          for (int h = 0; h < kSubs; ++h) {
-            int32_t start = 0;
-            if constexpr (!kSigned<D> && D::kOffset != 0)
-              if (t == Terms - 1) start = -D::kOffset * a.msum[(at + r) * kMergedSums + (kSubs == 1 ? 0 : 1 + h)];
-            s32[r][t][hf][h] = _mm256_set1_epi32(start);
-          }
-    auto step = [&]<int J>() TA_TARGET {
-      __m256i c[2][2];
-      pair_codes<D::kBits, J>(codes, c[0][0], c[0][1]);
-      pair_codes<D::kBits, J>(codes + 32, c[1][0], c[1][1]);
-      __m256i sg[2][2];
-      #pragma GCC unroll 16
-      for (int hf = 0; hf < 2; ++hf)
-        #pragma GCC unroll 16
-        for (int k = 0; k < 2; ++k) {
-          if constexpr (D::kCodebook) c[hf][k] = _mm256_shuffle_epi8(codebook<D>(), c[hf][k]);
-          if constexpr (kSigned<D>) {
-            sg[hf][k] = _mm256_xor_si256(c[hf][k], _mm256_set1_epi8(static_cast<char>(0x80)));
-            c[hf][k] = _mm256_abs_epi8(sg[hf][k]);
-          }
-        }
-      // quads J (sub-block 0) and J + 4 (sub-block 1 of two, else 0) so far in each int16 sum
-      constexpr int kIn = kSubs == 1 ? 2 * (J + 1) : J + 1;
-#pragma GCC unroll 16
+    __m256 sc[H][kSubs], mn[H][kSubs];
+#pragma GCC unroll 2
+    for (int hf = 0; hf < H; ++hf) {
+      scales<D>(w, nb, g, H == 2 ? hf : half0, sc[hf]);
+      if (has_min) mins<D>(w, nb, g, H == 2 ? hf : half0, mn[hf]);
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < kSubs; ++h) {
+      __m256i d[R][H][2];
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-        #pragma GCC unroll 16
-        for (int t = 0; t < Terms; ++t) {
-          const int8_t* x = a.xq + (at + r) * Terms * kGroup + t * kGroup;
-          const __m256i xl = bcast4(x + 4 * J), xh = bcast4(x + 4 * (J + 4));
-          #pragma GCC unroll 16
-          for (int hf = 0; hf < 2; ++hf)
-            #pragma GCC unroll 16
-            for (int k = 0; k < 2; ++k) {
-              const int h = kSubs == 2 ? k : 0;
-              __m256i xb = k == 0 ? xl : xh;
-              if constexpr (kSigned<D>) xb = _mm256_sign_epi8(xb, sg[hf][k]);
-              const __m256i p = _mm256_maddubs_epi16(c[hf][k], xb);
-              if constexpr (kChain == 1) {  // signed codes: every product widened at once
-                s32[r][t][hf][h] = _mm256_add_epi32(s32[r][t][hf][h], _mm256_madd_epi16(p, ones));
-                continue;
-              }
-              const bool fresh = kSubs == 1 ? (k == 0 && (kIn - 2) % kChain == 0) : (kIn - 1) % kChain == 0;
-              s16[r][t][hf][h] = fresh ? p : _mm256_add_epi16(s16[r][t][hf][h], p);
-            }
-          if constexpr (kChain > 1 && kIn % kChain == 0)
-            #pragma GCC unroll 16
-            for (int hf = 0; hf < 2; ++hf)
-              #pragma GCC unroll 16
-              for (int h = 0; h < kSubs; ++h)
-                s32[r][t][hf][h] = _mm256_add_epi32(s32[r][t][hf][h], _mm256_madd_epi16(s16[r][t][hf][h], ones));
+#pragma GCC unroll 2
+        for (int hf = 0; hf < H; ++hf) d[r][hf][0] = d[r][hf][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int j = h * kQuads; j < (h + 1) * kQuads; ++j) {
+        __m256i c[H][2];
+#pragma GCC unroll 2
+        for (int hf = 0; hf < H; ++hf) {
+          c[hf][0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q[hf][j]));
+          c[hf][1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[hf][j], 1));
         }
-    };
-    step.template operator()<0>();
-    step.template operator()<1>();
-    step.template operator()<2>();
-    step.template operator()<3>();
-    #pragma GCC unroll 16
-    for (int hf = 0; hf < 2; ++hf) {
-      __m256 sc[kSubs], mn[kSubs];
-      scales<D>(w, nb, g, hf, sc);
-      if (has_min) mins<D>(w, nb, g, hf, mn);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256 dxr = _mm256_set1_ps(a.dx[(at + r) * Terms + Terms - 1]);
-        #pragma GCC unroll 16
-        for (int h = 0; h < kSubs; ++h) {
-          const __m256i mrg = Terms == 1 ? s32[r][0][hf][h]
-                                         : _mm256_add_epi32(_mm256_slli_epi32(s32[r][0][hf][h], 8), s32[r][Terms - 1][hf][h]);
-          acc[r][hf] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(mrg), dxr), sc[h], acc[r][hf]);
-          if (has_min) {
-            const float xs = kSubs == 1 ? a.qsum[at + r] : a.hqsum[(at + r) * 2 + h];
-            acc[r][hf] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(xs), acc[r][hf]);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = bcast8(reinterpret_cast<const int16_t*>(a.xq + (at + r) * kLayoutTerms * kGroup) + 4 * j);
+#pragma GCC unroll 2
+          for (int hf = 0; hf < H; ++hf) {
+            d[r][hf][0] = _mm256_add_epi32(d[r][hf][0], _mm256_madd_epi16(c[hf][0], x));
+            d[r][hf][1] = _mm256_add_epi32(d[r][hf][1], _mm256_madd_epi16(c[hf][1], x));
           }
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int32_t* msum = a.msum + (at + r) * kMergedSums;
+        // codes stored + offset: the sum starts from -offset * the merged sum of x
+        const __m256i start = _mm256_set1_epi32(D::kOffset == 0 ? 0 : -D::kOffset * msum[kSubs == 1 ? 0 : 1 + h]);
+        const __m256 dxr = _mm256_set1_ps(a.dx[(at + r) * kLayoutTerms + Terms - 1]);
+        const float xs = kSubs == 1 ? a.qsum[at + r] : a.hqsum[(at + r) * 2 + h];
+#pragma GCC unroll 2
+        for (int hf = 0; hf < H; ++hf) {
+          // lanes (c0 c1 c4 c5 | c2 c3 c6 c7) -> columns in order
+          const __m256i pairs = _mm256_permute4x64_epi64(_mm256_hadd_epi32(d[r][hf][0], d[r][hf][1]), 0xD8);
+          const __m256i mrg = _mm256_add_epi32(pairs, start);
+          acc[r][hf] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(mrg), dxr), sc[hf][h], acc[r][hf]);
+          if (has_min) acc[r][hf] = _mm256_fmadd_ps(mn[hf][h], _mm256_set1_ps(xs), acc[r][hf]);
         }
       }
     }
   }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + (m0 + r) * N + nb * kCols, acc[r][0]);
-    _mm256_storeu_ps(y + (m0 + r) * N + nb * kCols + kHalf, acc[r][1]);
-  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int hf = 0; hf < H; ++hf)
+      _mm256_storeu_ps(y + (m0 + r) * N + nb * kCols + kHalf * (H == 2 ? hf : half0), acc[r][hf]);
 }
 
 constexpr int kMaxRows = 4;
 
-// Blocks nb0..nb1 x rows m0..m1 in tiles of at most kMaxRows rows, as even as possible.
+// Blocks nb0..nb1 x rows m0..m1: 1-2 rows (decode) take both halves of a block at once, more rows
+// one half at a time in tiles of at most kMaxRows rows, as even as possible.
 template <class D, int Terms>
 TA_TARGET void blocks_of(const Weights& w, const tm_vnni::Acts& a, int64_t m0, int64_t m1, int64_t N, int64_t nb0,
                          int64_t nb1, float* y) {
-  const int64_t tiles = (m1 - m0 + kMaxRows - 1) / kMaxRows;
   if (m1 - m0 <= 2) {
     for (int64_t nb = nb0; nb < nb1; ++nb) {
-      if (m1 - m0 == 2) tile16<D, 2, Terms>(w, a, N, m0, nb, y);
-      else tile16<D, 1, Terms>(w, a, N, m0, nb, y);
+      if (m1 - m0 == 2) tile<D, 2, 2, Terms>(w, a, N, m0, nb, 0, y);
+      else tile<D, 1, 2, Terms>(w, a, N, m0, nb, 0, y);
     }
     return;
   }
+  const int64_t tiles = (m1 - m0 + kMaxRows - 1) / kMaxRows;
   for (int64_t nb = nb0; nb < nb1; ++nb)
     for (int half = 0; half < 2; ++half) {
       int64_t m = m0;
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t left = tiles - i, r = (m1 - m + left - 1) / left;
         switch (r) {
-          case 4: tile<D, 4, Terms>(w, a, N, m, nb, half, y); break;
-          case 3: tile<D, 3, Terms>(w, a, N, m, nb, half, y); break;
-          case 2: tile<D, 2, Terms>(w, a, N, m, nb, half, y); break;
-          default: tile<D, 1, Terms>(w, a, N, m, nb, half, y); break;
+          case 4: tile<D, 4, 1, Terms>(w, a, N, m, nb, half, y); break;
+          case 3: tile<D, 3, 1, Terms>(w, a, N, m, nb, half, y); break;
+          case 2: tile<D, 2, 1, Terms>(w, a, N, m, nb, half, y); break;
+          default: tile<D, 1, 1, Terms>(w, a, N, m, nb, half, y); break;
         }
         m += r;
       }

@@ -13,8 +13,9 @@ token). Prompt steps (many rows) take one of three paths (`prompt_gemm_for`):
   multiplies bf16 natively (kernels/cpu_isa.py): elsewhere oneDNN emulates it at a fifth of fp32's speed.
 - "vnni": the blocked kernel at every row count, on the file's own values (two int8 terms).
 - "fp32": from AVX2_DENSE_MIN_ROWS rows the weight is dequantized to a temporary fp32 matrix for an fp32
-  GEMM: "auto" on AVX2 CPUs for the formats their kernel multiplies as signed bytes (AVX2_SIGNED_KINDS);
-  the others run that kernel at every row count there (docs/benchmarks.md, "AVX2").
+  GEMM. Where the CPU has no native bf16 GEMM, "auto" is the kernel at every row count: on AVX2 it
+  runs 160-210 GFLOP/s at 64-512 rows against the fp32 GEMM's 120-190 with its dequantization, and
+  needs no fp32 copy of a layer (docs/benchmarks.md, "AVX2").
 Elsewhere the row-layout kernel (csrc/quant_linear.cpp) runs few rows, and many rows dequantize the
 weight to a temporary matrix (bf16 where native, else fp32) for oneDNN's GEMM (paid once per call,
 amortised over the rows; the temporary is freed after the call).
@@ -39,12 +40,8 @@ BLOCKED_DENSE_MIN_ROWS = 192
 # "auto": a GGUF type's own choice (quant_formats/registry.py `bf16_prompt`, measured per format);
 # weights quantized at load (int4 / int8) by bits per code, bf16 for at most this many.
 BF16_PROMPT_MAX_BITS = 4
-# The AVX2 blocked kernel against dequantize + fp32 GEMM (prompt_gemm "fp32"), 2 threads, 2048 x 2048:
-# codes of up to 6 bits ~180-220 GFLOP/s at 64-512 rows against the GEMM's 130-180 (with its
-# dequantization); codes stored + 128 (8-bit, the codebooks: signed bytes there) ~110-120, below the
-# GEMM from ~128 rows. docs/benchmarks.md, "AVX2".
+# prompt_gemm "fp32": from how many rows (the AVX2 kernel wins below it for every format, 2 threads).
 AVX2_DENSE_MIN_ROWS = 128
-AVX2_SIGNED_KINDS = frozenset({"Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "int8"})
 # Row-layout kernel only (no blocked kernel). Measured with SmolLM2-135M's shapes, all 30 layers streamed, 2 threads (docs/benchmarks.md): the
 # packed kernel wins clearly up to ~8 rows; from 16 rows dequantize + bf16 GEMM is as fast or faster.
 DENSE_MIN_ROWS = 12
@@ -54,7 +51,7 @@ NEVER_DENSE = 1 << 62
 
 def prompt_gemm_for(weight: QuantizedWeight | BlockedWeight, setting: str = "auto") -> str:
     """How `weight`'s prompt steps run: `setting` itself, or for "auto": where the CPU has no native
-    bf16 GEMM, the blocked kernel, except on AVX2 for AVX2_SIGNED_KINDS (dequantize + fp32 GEMM); else bf16
+    bf16 GEMM, the blocked kernel (VNNI or AVX2); else bf16
     when every GGUF type the weight holds allows it (registry `bf16_prompt`; "Q4_0+Q4_1" for a stacked
     one), or for weights quantized at load when its codes have at most BF16_PROMPT_MAX_BITS bits, and
     the VNNI kernel otherwise. Row-layout weights take a dense GEMM for many rows whatever this says."""
@@ -62,11 +59,9 @@ def prompt_gemm_for(weight: QuantizedWeight | BlockedWeight, setting: str = "aut
         raise ValueError(f"prompt_gemm must be one of {PROMPT_GEMMS}, got {setting!r}")
     if setting != "auto":
         return setting
-    kinds = weight.kind.split("+")
     if not cpu_isa.bf16_gemm_native():
-        if quant_kernel.blocked_kernel() == "vnni":
-            return "vnni"
-        return "fp32" if any(k in AVX2_SIGNED_KINDS for k in kinds) else "vnni"
+        return "vnni"
+    kinds = weight.kind.split("+")
     if all(k in FORMATS for k in kinds):
         return "bf16" if all(FORMATS[k].bf16_prompt for k in kinds) else "vnni"
     return "bf16" if weight.bits <= BF16_PROMPT_MAX_BITS else "vnni"
