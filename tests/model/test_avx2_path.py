@@ -1,7 +1,7 @@
 """A CPU without AVX-512 (most of the CPUs people run models on), as this machine runs when
 TOKENMILL_CPU_ISA=avx2 caps its kernels: GGUF mixes load into the AVX2 blocked kernel (not bf16
-copies), prompts run that kernel too (not the bf16 GEMMs such a CPU emulates), and fast mode agrees
-with exact as it does on VNNI, at prompt and decode row counts. The cap's variable is checked by name. The kernel's arithmetic per format is
+copies), prompts take fp32 GEMMs (not the bf16 ones such a CPU emulates), and fast mode agrees with
+exact as it does on VNNI, at prompt and decode row counts. The cap's variable is checked by name. The kernel's arithmetic per format is
 tests/model/test_block_decoders.py's (its kernel tests run on both kernels)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ CHECKED = ("Q4_K_M", "IQ4_XS", "Q1_0")  # K-quants with Q5_0 / Q8_0; the codeboo
 IDS = [int(i) for i in torch.randint(3, VOCAB, (136,), generator=torch.Generator().manual_seed(1))]
 
 # Runs in a process capped at AVX2: what each mix's layers became, and the fast logits of a prompt
-# step of 136 rows (the 4-row tiles, and an fp32 GEMM from AVX2_DENSE_MIN_ROWS were it chosen) and of 8 rows.
+# step of 136 rows (an fp32 GEMM from AVX2_DENSE_MIN_ROWS) and of 8 rows (the kernel).
 SCRIPT = """
 import json, sys, torch
 from tokenmill.model.kernels import cpu_isa, quant_kernel
@@ -73,7 +73,7 @@ def test_every_kernel_type_runs_on_the_avx2_kernel(avx2_run, mix):
     for part in ("o_proj", "down"):
         kind = type_of(MIXES[mix], part)
         assert layers[part].startswith(kind) and "column-blocked AVX2 kernel" in layers[part], layers[part]
-        assert "GEMM from" not in layers[part], layers[part]  # prompts too run the kernel
+        assert "fp32 GEMM from 128 rows" in layers[part], layers[part]  # prompts: not a bf16 GEMM
     assert layers["fused"] is False  # the fused decode step is AVX-512 code: the op-by-op path runs
 
 

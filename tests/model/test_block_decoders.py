@@ -210,13 +210,14 @@ def test_prompt_rows_on_an_fp32_gemm_take_the_file_values(kernel, kind):
 
 
 def test_auto_prompt_path_where_bf16_is_not_native(kernel, monkeypatch):
-    # oneDNN emulates bf16 at a fifth of fp32's speed there: VNNI CPUs (Ice Lake, Cascade Lake) and
-    # AVX2 ones run their kernel at every row count, whatever the format.
+    # oneDNN emulates bf16 at a fifth of fp32's speed there: VNNI CPUs (Ice Lake, Cascade Lake) run
+    # their kernel at every row count, AVX2 ones an fp32 GEMM from AVX2_DENSE_MIN_ROWS, any format.
     monkeypatch.setattr(cpu_isa, "bf16_gemm_native", lambda: False)
     for kind in ("Q4_1", "IQ4_XS", "Q6_K", "Q8_0", "MXFP4", "Q1_0"):
         bw, _, _ = weight(kind, 32, width(kind, 64, 256), seed=8)
         layer = QuantizedLinear(bw, None)
-        assert layer.prompt_gemm == "vnni" and layer.kernel_at_any_rows and layer.bf16_from_rows is None
+        assert layer.prompt_gemm == ("vnni" if kernel == "vnni" else "fp32")
+        assert layer.kernel_at_any_rows == (kernel == "vnni") and layer.bf16_from_rows is None
 
 
 def test_unknown_prompt_gemm_is_named():

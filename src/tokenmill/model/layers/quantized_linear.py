@@ -13,9 +13,9 @@ token). Prompt steps (many rows) take one of three paths (`prompt_gemm_for`):
   multiplies bf16 natively (kernels/cpu_isa.py): elsewhere oneDNN emulates it at a fifth of fp32's speed.
 - "vnni": the blocked kernel at every row count, on the file's own values (two int8 terms).
 - "fp32": from AVX2_DENSE_MIN_ROWS rows the weight is dequantized to a temporary fp32 matrix for an fp32
-  GEMM. Where the CPU has no native bf16 GEMM, "auto" is the kernel at every row count: on AVX2 it
-  runs 160-210 GFLOP/s at 64-512 rows against the fp32 GEMM's 120-190 with its dequantization, and
-  needs no fp32 copy of a layer (docs/benchmarks.md, "AVX2").
+  GEMM: "auto" on AVX2 CPUs (VNNI ones without native bf16 run their kernel at every row count).
+  docs/benchmarks.md, "AVX2": the AVX2 kernel wins at 64 rows, the GEMM from ~128 (a 512-token
+  prompt of the bundled model's mixes: 575-633 against 492-556 tok/s on the kernel).
 Elsewhere the row-layout kernel (csrc/quant_linear.cpp) runs few rows, and many rows dequantize the
 weight to a temporary matrix (bf16 where native, else fp32) for oneDNN's GEMM (paid once per call,
 amortised over the rows; the temporary is freed after the call).
@@ -40,7 +40,7 @@ BLOCKED_DENSE_MIN_ROWS = 192
 # "auto": a GGUF type's own choice (quant_formats/registry.py `bf16_prompt`, measured per format);
 # weights quantized at load (int4 / int8) by bits per code, bf16 for at most this many.
 BF16_PROMPT_MAX_BITS = 4
-# prompt_gemm "fp32": from how many rows (the AVX2 kernel wins below it for every format, 2 threads).
+# prompt_gemm "fp32": from how many rows (the AVX2 kernel against dequantize + fp32 GEMM, 2 threads).
 AVX2_DENSE_MIN_ROWS = 128
 # Row-layout kernel only (no blocked kernel). Measured with SmolLM2-135M's shapes, all 30 layers streamed, 2 threads (docs/benchmarks.md): the
 # packed kernel wins clearly up to ~8 rows; from 16 rows dequantize + bf16 GEMM is as fast or faster.
@@ -51,7 +51,7 @@ NEVER_DENSE = 1 << 62
 
 def prompt_gemm_for(weight: QuantizedWeight | BlockedWeight, setting: str = "auto") -> str:
     """How `weight`'s prompt steps run: `setting` itself, or for "auto": where the CPU has no native
-    bf16 GEMM, the blocked kernel (VNNI or AVX2); else bf16
+    bf16 GEMM, the VNNI kernel, or on AVX2 dequantize + fp32 GEMM; else bf16
     when every GGUF type the weight holds allows it (registry `bf16_prompt`; "Q4_0+Q4_1" for a stacked
     one), or for weights quantized at load when its codes have at most BF16_PROMPT_MAX_BITS bits, and
     the VNNI kernel otherwise. Row-layout weights take a dense GEMM for many rows whatever this says."""
@@ -60,7 +60,7 @@ def prompt_gemm_for(weight: QuantizedWeight | BlockedWeight, setting: str = "aut
     if setting != "auto":
         return setting
     if not cpu_isa.bf16_gemm_native():
-        return "vnni"
+        return "vnni" if quant_kernel.blocked_kernel() == "vnni" else "fp32"
     kinds = weight.kind.split("+")
     if all(k in FORMATS for k in kinds):
         return "bf16" if all(FORMATS[k].bf16_prompt for k in kinds) else "vnni"
