@@ -26,7 +26,10 @@ from tokenmill.model.loader import expected_shapes
 # Ids below this are control tokens in SmolLM2's vocabulary (< 17) and in the other vocabularies we
 # load; random prompts of special tokens would exercise nothing a real prompt does.
 FIRST_ORDINARY_TOKEN = 100
-THREAD_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
+# Recorded with every result: the thread settings, and the instruction-set caps (an AVX-512 machine
+# run as an AVX2 one: docs/benchmarks.md, "CPUs without AVX-512").
+RECORDED_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KMP_BLOCKTIME",
+              "TOKENMILL_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def at_least(minimum: int):
@@ -179,7 +182,7 @@ def run_settings(threads: int) -> dict:
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         # OpenMP's default spin-wait makes 2 threads on 2 shared cores many times slower than 1;
         # OMP_WAIT_POLICY=PASSIVE avoids it (docs/benchmarks.md), so a result must say which it ran under.
-        "env": {k: os.environ.get(k) for k in THREAD_ENV},
+        "env": {k: os.environ.get(k) for k in RECORDED_ENV},
     }
 
 
