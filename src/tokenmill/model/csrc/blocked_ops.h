@@ -51,6 +51,13 @@ Parts parts_of(at::TensorList weights, at::IntArrayRef fmts, at::IntArrayRef Ns,
   return parts;
 }
 
+// x float32 [M, K], contiguous, and terms 1 or 2: what every linear op takes.
+inline at::Tensor checked_x(const at::Tensor& x, int64_t terms) {
+  TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  return x.contiguous();
+}
+
 // Row ids as int64, each checked against N.
 inline at::Tensor checked_ids(const at::Tensor& ids_in, int64_t N) {
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();

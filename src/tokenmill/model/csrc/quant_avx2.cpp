@@ -32,9 +32,8 @@ Weights checked(const at::Tensor& codes, const at::Tensor& scales, const at::Ten
 
 // y [M, N] = x @ W^T for weights side by side (one, or the parts of a fused linear whose formats
 // differ: part i's column blocks start at block0[i], block0 ends with N / 16), x rounded once.
-at::Tensor multiply(const at::Tensor& x_in, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
+at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
                     int64_t terms) {
-  const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -63,21 +62,16 @@ at::Tensor multiply(const at::Tensor& x_in, const std::vector<Weights>& w, const
   return y;
 }
 
-void check_x(const at::Tensor& x, int64_t terms) {
-  TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
-}
-
-at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                   const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms) {
-  check_x(x, terms);
+  const at::Tensor x = tm_vnni::checked_x(x_in, terms);
   return multiply(x, {checked(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, terms);
 }
 
 // Several weights over the same x, outputs side by side (quant_vnni.cpp linear_parts).
-at::Tensor linear_parts(const at::Tensor& x, at::TensorList weights, at::IntArrayRef fmts, at::IntArrayRef Ns,
+at::Tensor linear_parts(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef fmts, at::IntArrayRef Ns,
                         int64_t terms) {
-  check_x(x, terms);
+  const at::Tensor x = tm_vnni::checked_x(x_in, terms);
   const tm_vnni::Parts parts = tm_vnni::parts_of(weights, fmts, Ns, x.size(1), checked);
   return multiply(x, parts.w, parts.block0, terms);
 }

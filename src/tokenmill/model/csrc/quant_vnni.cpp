@@ -52,12 +52,6 @@ at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const st
   return y;
 }
 
-at::Tensor checked_x(const at::Tensor& x, int64_t terms) {
-  TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
-  return x.contiguous();
-}
-
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                   const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms) {
   const at::Tensor x = checked_x(x_in, terms);

@@ -87,8 +87,8 @@ class QuantizedLinear:
         if self._blocked is not None and x.shape[0] < self._gemm_rows and self.bias is None:
             return self._blocked(x)
         if isinstance(self.weight, BlockedWeight):
-            if x.shape[0] < self._gemm_rows:
-                out = quant_kernel.blocked_linear(x, self.weight)
+            if x.shape[0] < self._gemm_rows:  # with a bias
+                out = self._blocked(x)
             elif self.prompt_gemm == "fp32":
                 out = F.linear(x.float(), quant_kernel.blocked_dequantize_fp32(self.weight))
             else:
