@@ -1,8 +1,10 @@
 """A CPU without AVX-512 (most of the CPUs people run models on), as this machine runs when
 TOKENMILL_CPU_ISA=avx2 caps its kernels: GGUF mixes load into the AVX2 blocked kernel (not bf16
 copies), prompts take fp32 GEMMs (not the bf16 ones such a CPU emulates), and fast mode agrees with
-exact as it does on VNNI, at prompt and decode row counts. The cap's variable is checked by name. The kernel's arithmetic per format is
-tests/model/test_block_decoders.py's (its kernel tests run on both kernels)."""
+exact as it does on VNNI, at prompt and decode row counts, with decode steps in the fused step's AVX2
+kit. The cap's variable is checked by name. The kernel's arithmetic per format is
+tests/model/test_block_decoders.py's (its kernel tests run on both kernels); the fused step's on the
+AVX2 kit against the layers op by op, tests/model/test_fused_decode*.py's."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 
 from tests.model.test_gguf_mixes import MIXES, VOCAB, all_logits, engine, type_of
 from tests.tiny_models import make_tiny_model, write_tiny_gguf
-from tokenmill.model.kernels import cpu_isa, quant_kernel
+from tokenmill.model.kernels import cpu_isa, decode_step, quant_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKED = ("Q4_K_M", "IQ4_XS", "Q1_0")  # K-quants with Q5_0 / Q8_0; the codebooks; 1-2 bit + MXFP4
@@ -27,19 +29,22 @@ IDS = [int(i) for i in torch.randint(3, VOCAB, (136,), generator=torch.Generator
 # step of 136 rows (an fp32 GEMM from AVX2_DENSE_MIN_ROWS) and of 8 rows (the kernel).
 SCRIPT = """
 import json, sys, torch
-from tokenmill.model.kernels import cpu_isa, quant_kernel
+from tokenmill.model.kernels import cpu_isa, decode_step, quant_kernel
 from tokenmill.model.layers.quantized_linear import AVX2_DENSE_MIN_ROWS
 from tests.model.test_gguf_mixes import all_logits, engine
 ids, out = json.loads(sys.argv[1]), {}
 assert len(ids) >= AVX2_DENSE_MIN_ROWS > 8
 out["kernel"], out["bf16_native"] = quant_kernel.blocked_kernel(), cpu_isa.bf16_gemm_native()
+out["kit"] = decode_step.kit()
 for path in sys.argv[3:]:
     core = engine(path, "fast")
     layer = core.runner.model.layers[0]
+    short = engine(path, "fast")
+    logits = {"prompt": all_logits(core, ids), "short": all_logits(short, ids[:8])}
+    stack = short.runner.model._decode_stack  # the 8-row prompt ran as decode rows, in the fused step
     out[path] = {"o_proj": layer.o_proj.describe(), "down": layer.down.describe(),
-                 "fused": bool(core.runner.model.fused_decode)}
-    torch.save({"prompt": all_logits(core, ids), "short": all_logits(engine(path, "fast"), ids[:8])},
-               path + ".fast.pt")
+                 "fused": bool(core.runner.model.fused_decode), "stack_kit": None if stack is None else stack.kit}
+    torch.save(logits, path + ".fast.pt")
 json.dump(out, open(sys.argv[2], "w"))
 """
 
@@ -64,6 +69,7 @@ def avx2_run(tmp_path_factory) -> tuple[dict, dict[str, Path]]:
 def test_the_cap_leaves_avx2_and_fp32_gemms(avx2_run):
     report, _ = avx2_run
     assert report["kernel"] == "avx2" and report["bf16_native"] is False
+    assert report["kit"] == decode_step.KITS["avx2"]
 
 
 @pytest.mark.parametrize("mix", CHECKED)
@@ -74,7 +80,8 @@ def test_every_kernel_type_runs_on_the_avx2_kernel(avx2_run, mix):
         kind = type_of(MIXES[mix], part)
         assert layers[part].startswith(kind) and "column-blocked AVX2 kernel" in layers[part], layers[part]
         assert "fp32 GEMM from 128 rows" in layers[part], layers[part]  # prompts: not a bf16 GEMM
-    assert layers["fused"] is False  # the fused decode step is AVX-512 code: the op-by-op path runs
+    # decode steps run the fused step on its AVX2 kit (the 8-row prompt ran in it)
+    assert layers["fused"] is True and layers["stack_kit"] == decode_step.KITS["avx2"]
 
 
 @pytest.mark.parametrize("mix", CHECKED)

@@ -1,6 +1,7 @@
 """The fused decode step (csrc/decode_step.cpp) computes what the layers do op by op: the same logits
 to float rounding, the same K/V written to the same slots, for plain decode rows and speculative runs,
-with bf16 and fp32 caches; and a bad slot or page is an error, not a wild write."""
+with bf16 and fp32 caches, on each blocked kernel's kit (AVX512-VNNI, and AVX2 as CPUs without
+AVX-512 run it); and a bad slot or page is an error, not a wild write."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tokenmill.model.kernels import decode_step
 from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS
 from tokenmill.model.runner import ModelRunner, SeqChunk
 
-pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and a blocked kernel")
 
 
 @pytest.fixture(scope="module", params=["Q4_1", "Q8_0", "int8"])
@@ -64,7 +65,7 @@ def decode_chunks(prompts, pages) -> list[SeqChunk]:
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
-def test_fused_step_matches_the_layers_op_by_op(fast_runner, kv_dtype):
+def test_fused_step_matches_the_layers_op_by_op(fast_runner, kv_dtype, kernel):
     runner = fast_runner(kv_dtype)
     model = runner.model
     assert model.fused_decode, "the tiny quantized llama should take the fused path"
@@ -75,6 +76,7 @@ def test_fused_step_matches_the_layers_op_by_op(fast_runner, kv_dtype):
 
     fused = runner.execute(chunks)
     assert model._decode_stack is not None  # the step really went through the C++ stack
+    assert model._decode_stack.kit == decode_step.KITS[kernel]  # the layers' kernel's kit
     fused_kv = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     model.fused_decode = False
     eager = runner.execute(chunks)  # rewrites the same slots op by op

@@ -1,6 +1,7 @@
 """The fused decode step (csrc/decode_step.cpp) over every GGUF block format, and over linears that mix
 formats (Q4_K_M keeps q/k in Q4_K and v in Q6_K inside one fused q/k/v): the same logits and K/V as
-the layers op by op. The weights are random blocks swapped into a tiny model built in fast mode."""
+the layers op by op, on each blocked kernel's kit (AVX512-VNNI, AVX2). The weights are random blocks
+swapped into a tiny model built in fast mode."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tokenmill.model.layers.quantized_linear import QuantizedLinear
 from tokenmill.model.quant import to_blocked_gguf
 from tokenmill.model.runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and a blocked kernel")
 
 HIDDEN, INTER, HEADS, KV_HEADS = 256, 512, 4, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -41,9 +42,9 @@ def linear(parts: list[tuple[str, int]], k: int, seed: int):
     return layers[0] if len(layers) == 1 else ConcatLinear(layers, None)
 
 
-@pytest.fixture(scope="module")
-def mixed_runner(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mixed")
+@pytest.fixture
+def mixed_runner(tmp_path, kernel):
+    tmp = tmp_path
     folder = make_tiny_model(tmp, "llama", tokenizer=False, hidden_size=HIDDEN, intermediate_size=INTER,
                              num_hidden_layers=len(LAYERS), num_attention_heads=HEADS,
                              num_key_value_heads=KV_HEADS)
@@ -62,16 +63,16 @@ def mixed_runner(tmp_path_factory):
     return ModelRunner(model, runner.num_pages, runner.page_size, torch.bfloat16, prefill_as_decode_rows=True)
 
 
-def test_every_format_and_mixed_linears_run_fused(mixed_runner):
+def test_every_format_and_mixed_linears_run_fused(mixed_runner, kernel):
     runner = mixed_runner
     model = runner.model
-    assert model.fused_decode, "every linear runs the VNNI kernel, so the fused step takes them"
+    assert model.fused_decode, "every linear runs a blocked kernel, so the fused step takes them"
     prompts = [ids(37, 1), ids(21, 2), ids(50, 3)]
     pages = prefill(runner, prompts)
     chunks = decode_chunks(prompts, pages)
     model.fused_decode = True
     fused = runner.execute(chunks)
-    assert model._decode_stack is not None
+    assert model._decode_stack is not None and model._decode_stack.kit == decode_step.KITS[kernel]
     fused_kv = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     model.fused_decode = False
     eager = runner.execute(chunks)

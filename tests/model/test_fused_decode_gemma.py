@@ -18,7 +18,7 @@ from tokenmill.model.kernels import decode_step
 from tokenmill.model.kv_cache_format import ROTATED_HEAD_DIMS, KVCacheFormat
 from tokenmill.model.runner import ModelRunner, SeqChunk
 
-pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and a blocked kernel")
 
 
 @pytest.fixture(scope="module", params=GEMMA_ARCHS)
@@ -44,7 +44,8 @@ def run_both(runner: ModelRunner, chunks: list[SeqChunk]):
         model.fused_decode = True
 
 
-def test_fused_step_matches_the_layers_op_by_op(fast_runner):
+def test_fused_step_matches_the_layers_op_by_op(fast_runner, kernel):
+    # the stack is built for the kit of `kernel`; the layers op by op stay on the machine's kernel
     runner = fast_runner
     model = runner.model
     assert model.fused_decode, "the tiny quantized gemma should take the fused path"
@@ -55,6 +56,8 @@ def test_fused_step_matches_the_layers_op_by_op(fast_runner):
     model._decode_stack = None
     fused, fused_kv, eager = run_both(runner, decode_chunks(prompts, pages))
     assert model._decode_stack is not None  # the step really went through the C++ stack
+    assert model._decode_stack.kit == decode_step.KITS[kernel]
+    model._decode_stack = None  # the other tests' stacks are the machine's kit
     assert fused.shape == eager.shape == (1 + 4 + 1, model.config.vocab_size)
     torch.testing.assert_close(fused, eager, atol=2e-3 * eager.abs().max().item(), rtol=1e-3)
     assert torch.equal(fused.argmax(-1), eager.argmax(-1))

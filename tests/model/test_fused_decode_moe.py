@@ -1,6 +1,6 @@
 """Mixture-of-experts layers in the fused decode step (csrc/decode_step_moe.h): the same logits as the
 layers op by op (model/moe.py's fast path) to float rounding, for plain decode rows and a speculative
-run, with and without a shared expert; a model the step cannot bind (an expert whose gate and up are
+run, with and without a shared expert, on each blocked kernel's kit; a model the step cannot bind (an expert whose gate and up are
 stored in different types) stays op by op."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tokenmill.model.fused_decode_moe import moe_binding
 from tokenmill.model.kernels import decode_step
 from tokenmill.model.runner import ModelRunner, SeqChunk
 
-pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and a blocked kernel")
 
 SIZES = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,
          "num_key_value_heads": 2}
@@ -48,7 +48,7 @@ def moe_gguf(request, tmp_path_factory):
     return write_moe_gguf(folder, tmp / "moe.gguf", quant)[0]
 
 
-def test_fused_moe_step_matches_the_layers_op_by_op(moe_gguf):
+def test_fused_moe_step_matches_the_layers_op_by_op(moe_gguf, kernel):
     runner = runner_for(moe_gguf)
     model = runner.model
     assert model.fused_decode, "every expert runs one blocked weight: the step should take the model"
@@ -56,7 +56,7 @@ def test_fused_moe_step_matches_the_layers_op_by_op(moe_gguf):
     pages = prefill(runner, prompts)
     chunks = decode_chunks(prompts, pages)
     fused = runner.execute(chunks)
-    assert model._decode_stack is not None
+    assert model._decode_stack is not None and model._decode_stack.kit == decode_step.KITS[kernel]
     model.fused_decode = False
     eager = runner.execute(chunks)
     assert fused.shape == eager.shape == (6, model.config.vocab_size)

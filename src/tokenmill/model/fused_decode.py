@@ -15,15 +15,19 @@ from tokenmill.model.attention import AttentionMetadata, TorchPagedAttention
 from tokenmill.model.fused_decode_moe import moe_binding
 from tokenmill.model.kernels import decode_step, quant_kernel
 from tokenmill.model.layers.factory import ConcatLinear
-from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS, QuantizedLinear
+from tokenmill.model.layers.quantized_linear import (
+    AVX2_DENSE_MIN_ROWS,
+    BLOCKED_DENSE_MIN_ROWS,
+    QuantizedLinear,
+)
 from tokenmill.model.quant import BlockedWeight
 
 
 def _blocked(linear) -> list[BlockedWeight] | None:
     """The column-blocked weights a linear runs, in output order (several where a GGUF mixes types
-    inside a fused linear, as Q4_K_M does in q/k/v), or None where it does not run the VNNI kernel."""
+    inside a fused linear, as Q4_K_M does in q/k/v), or None where it does not run a blocked kernel."""
     if isinstance(linear, QuantizedLinear):
-        return None if linear.vnni_weight is None else [linear.vnni_weight]
+        return None if linear.kernel_weight is None else [linear.kernel_weight]
     if isinstance(linear, ConcatLinear) and linear.bias is None:
         parts = [_blocked(p) for p in linear.parts]
         return None if any(p is None for p in parts) else [w for p in parts for w in p]
@@ -33,13 +37,20 @@ def _blocked(linear) -> list[BlockedWeight] | None:
 class FusedDecodeStack:
     """Binds a model's layer weights and KV caches to a C++ DecodeStack once; `run` is one step."""
 
-    # Rows above this run op by op: the linears switch to bf16 GEMMs from BLOCKED_DENSE_MIN_ROWS.
+    # Rows above this run op by op: the linears switch to bf16 GEMMs from BLOCKED_DENSE_MIN_ROWS (on
+    # CPUs with the VNNI kernel; max_rows() is the limit where the AVX2 kernel runs).
     MAX_ROWS = BLOCKED_DENSE_MIN_ROWS - 1
+
+    @classmethod
+    def max_rows(cls) -> int:
+        """The most rows a fused step takes here: on AVX2 the linears take fp32 GEMMs from AVX2_DENSE_MIN_ROWS."""
+        return cls.MAX_ROWS if quant_kernel.blocked_kernel() == "vnni" else AVX2_DENSE_MIN_ROWS - 1
 
     @staticmethod
     def supports(model) -> bool:
         """Whether every layer is one the fused step computes: llama-style (no q/k norm, no biases),
-        all four linears (or every expert's two) on the VNNI kernel, the paged attention kernel, and the fused ops built."""
+        all four linears (or every expert's two) on a blocked kernel (VNNI or AVX2), the paged attention
+        kernel, and the fused ops built."""
         if not isinstance(model.attention, TorchPagedAttention) or not model.attention.kernel:
             return False
         if model.config.qk_norm or not decode_step.available():
@@ -70,8 +81,9 @@ class FusedDecodeStack:
             parts += [0, 0] if routed else []
         c = model.config
         self.kv_caches = kv_caches
+        self.kit = decode_step.kit()  # the blocked kernel's (VNNI or AVX2), as the layers op by op run it
         self._stack = decode_step.decode_stack(
-            tensors, formats, parts, [k for k, _ in kv_caches], [v for _, v in kv_caches], model.norm.contiguous(),
+            self.kit, tensors, formats, parts, [k for k, _ in kv_caches], [v for _, v in kv_caches], model.norm.contiguous(),
             c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, model.attention.scale)
         for i, layer in enumerate(model.layers):
             moe = moe_binding(layer)
@@ -81,7 +93,7 @@ class FusedDecodeStack:
     @classmethod
     def handles(cls, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether this step is one the fused call computes."""
-        return meta.num_decode == num_tokens and 0 < num_tokens <= cls.MAX_ROWS and meta.decode_seq_lens is not None
+        return meta.num_decode == num_tokens and 0 < num_tokens <= cls.max_rows() and meta.decode_seq_lens is not None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; `x` (the embeddings) is used as scratch."""

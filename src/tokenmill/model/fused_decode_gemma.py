@@ -28,12 +28,13 @@ class GemmaFusedDecodeStack:
     """Binds a GemmaForCausalLM's weights and KV caches to a C++ GemmaDecodeStack once."""
 
     MAX_ROWS = FusedDecodeStack.MAX_ROWS
+    max_rows = FusedDecodeStack.max_rows
     handles = FusedDecodeStack.handles
 
     @staticmethod
     def supports(model) -> bool:
-        """Whether the step computes this model: both attentions on the C++ kernel, every linear on the
-        VNNI kernel without bias, and the extension built."""
+        """Whether the step computes this model: both attentions on the C++ kernel, every linear on a
+        blocked kernel (VNNI or AVX2) without bias, and the extension built."""
         for attention in (model.attention, model.sliding_attention):
             if not isinstance(attention, TorchPagedAttention) or not attention.kernel:
                 return False
@@ -62,8 +63,9 @@ class GemmaFusedDecodeStack:
         self.kv_caches = kv_caches
         self.num_layers = len(model.layers)
         self._two_ropes = model.local_rope is not model.rope
+        self.kit = decode_step.kit()
         self._stack = torch.classes.tokenmill_step.GemmaDecodeStack(
-            tensors, formats, parts, [k for k, _ in kv_caches], [v for _, v in kv_caches], model.norm.float().contiguous(),
+            self.kit, tensors, formats, parts, [k for k, _ in kv_caches], [v for _, v in kv_caches], model.norm.float().contiguous(),
             windows, ropes, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, model.attention.scale,
             c.attn_logit_softcapping or 0.0)
 

@@ -26,9 +26,9 @@ class MoEBinding(NamedTuple):
 
 def _single(linear) -> list:
     """The 4 tensors and the format of a linear that runs one blocked weight, else []."""
-    if not isinstance(linear, QuantizedLinear) or linear.vnni_weight is None or linear.bias is not None:
+    if not isinstance(linear, QuantizedLinear) or linear.kernel_weight is None:
         return []
-    w = linear.vnni_weight
+    w = linear.kernel_weight
     return [w.codes, w.scales, quant_kernel.or_empty(w.mins), quant_kernel.or_empty(w.subs), w.fmt]
 
 

@@ -189,6 +189,6 @@ class GemmaForCausalLM:
             lines.append(f"{sliding} of {len(self.layers)} layers attend a sliding window of "
                          f"{self.config.sliding_window} tokens")
         if self.fused_decode:
-            rows = "any number, prompts too" if self.prompts_in_stack else f"up to {GemmaFusedDecodeStack.MAX_ROWS}"
+            rows = "any number, prompts too" if self.prompts_in_stack else f"up to {GemmaFusedDecodeStack.max_rows()}"
             lines.append(f"steps of all decode rows ({rows}): one fused C++ call over the layer stack")
         return lines

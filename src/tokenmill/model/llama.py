@@ -218,7 +218,7 @@ class LlamaForCausalLM:
         parts = {"qkv": first.qkv, "o_proj": first.o_proj, **first.mlp_parts(), "lm_head": self.lm_head}
         lines = [f"{name}: {layer.describe()}" for name, layer in parts.items()]
         if self.fused_decode:
-            lines.append(f"steps of all decode rows (up to {FusedDecodeStack.MAX_ROWS}): one fused C++ call "
+            lines.append(f"steps of all decode rows (up to {FusedDecodeStack.max_rows()}): one fused C++ call "
                          "over the layer stack")
         if self.bf16_rows is not None:
             some = "" if all(self.bf16_layers) else f" in {sum(self.bf16_layers)} of {len(self.layers)} layers"

@@ -14,7 +14,9 @@
 // the elementwise steps; the arithmetic is the kernels' (quant_vnni.h, paged_attention.h,
 // fused_ops.h), in the same order as op by op.
 //
-// Needs fused_ops.h, paged_attention.h and quant_vnni.h included first (decode_step.cpp does).
+// Each phase is a template on the step's kit (decode_kits.h: the AVX512-VNNI or the AVX2 kernels).
+//
+// Needs fused_ops.h, paged_attention.h, quant_vnni.h and quant_avx2.h included first (decode_step.cpp does).
 
 #include <omp.h>
 #include <torch/custom_class.h>
@@ -22,11 +24,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "decode_kits.h"
 #include "step_barrier.h"
 
 namespace tm_step {
 
-constexpr int64_t kTerms = 2;  // int8 terms per activation (two: near fp32 quality, see quant_vnni.h)
 constexpr int64_t kTensorsPerPart = 4;  // codes, scales, mins, subs of each weight
 
 // One of a linear's weights: its output columns [col0, col0 + N). A linear has several where a GGUF
@@ -56,7 +58,7 @@ inline Linear read_linear(const at::Tensor*& t, const int64_t*& f, const int64_t
     const int bits = tm_vnni::fmt_bits(static_cast<int>(*f));
     TORCH_CHECK(bits > 0, "layer ", layer, ": unknown weight format ", *f);
     const int64_t N = t[0].numel() * 8 / (K * bits);
-    l.parts.push_back(Part{tm_vnni::check(t[0], t[1], t[2], t[3], *f, N, K), N, l.N});
+    l.parts.push_back(Part{tm_vnni::check_shapes(t[0], t[1], t[2], t[3], *f, N, K), N, l.N});
     l.N += N;
   }
   ++np;
@@ -71,12 +73,17 @@ struct StackBase : torch::CustomClassHolder {
   double eps = 0, scale = 0;
   tm_kv::CacheFormat cache_format = tm_kv::kCacheF32;
   StepBarrier barrier;
+  int64_t kit = kKitAvx512;  // whose kernels `run` calls (decode_kits.h)
 
-  // The head layout, the final norm (whose size is the hidden size) and the caches' format and slot
+  // The kernels' kit, the head layout, the final norm (whose size is the hidden size) and the caches' format and slot
   // count (from the first layer's K cache; bind_caches checks every layer's against them).
-  void bind(const std::vector<at::Tensor>& tensors, const at::Tensor& final_norm_in, const at::Tensor& cache0,
-            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double rms_eps, double attn_scale) {
-    TORCH_CHECK(tm_fused::use_avx512() && tm_vnni::vnni_supported(), "the fused decode step needs AVX512-VNNI");
+  void bind(int64_t kit_id, const std::vector<at::Tensor>& tensors, const at::Tensor& final_norm_in,
+            const at::Tensor& cache0, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double rms_eps,
+            double attn_scale) {
+    TORCH_CHECK(kit_id == kKitAvx512 || kit_id == kKitAvx2, "kit must be 0 (AVX512-VNNI) or 1 (AVX2), not ", kit_id);
+    TORCH_CHECK(kit_supported(kit_id), "the fused decode step's ", kit_id == kKitAvx2 ? Avx2Kit::kName : Avx512Kit::kName,
+                " kernels do not run on this CPU (or TOKENMILL_CPU_ISA does not allow them)");
+    kit = kit_id;
     nq = num_heads, nkv = num_kv_heads, hd = head_dim, eps = rms_eps, scale = attn_scale;
     TORCH_CHECK(nkv > 0 && nq % nkv == 0 && hd % 2 == 0 && hd <= 256, "unsupported head layout");
     hidden = final_norm_in.numel();
@@ -180,37 +187,41 @@ struct StepLogs {
 };
 
 // y[:, blocks of this thread] = a @ w^T: the thread's share of all the parts' column blocks.
+template <class Kit>
 inline void linear_share(const Linear& l, const tm_vnni::Acts& a, int64_t T, float* y, int tid, int nt) {
   int64_t b0, b1;
   share(l.N / tm_vnni::kCols, tid, nt, b0, b1);
   for (const Part& p : l.parts) {
     const int64_t p0 = p.col0 / tm_vnni::kCols, lo = std::max(b0, p0), hi = std::min(b1, p0 + p.N / tm_vnni::kCols);
-    if (lo < hi) tm_vnni::blocks<kTerms>(p.w, a, 0, T, l.N, lo - p0, hi - p0, y + p.col0);
+    if (lo < hi) Kit::blocks(p.w, a, 0, T, l.N, lo - p0, hi - p0, y + p.col0);
   }
 }
 
+template <class Kit>
 inline void linear_phase(const Linear& l, const tm_vnni::Acts& a, int64_t T, float* y, Worker& w) {
-  linear_share(l, a, T, y, w.tid, w.team);
+  linear_share<Kit>(l, a, T, y, w.tid, w.team);
   w.sync();
 }
 
 // The thread's rows of x [T, K] rounded for the next linear (none on the last layer's end).
+template <class Kit>
 inline void quantize_phase(const float* x, int64_t K, const tm_vnni::Acts& a, Worker& w, bool round = true) {
-  if (round) tm_vnni::quantize_rows<kTerms>(x, K, w.r0, w.r1, a);
+  if (round) Kit::quantize_rows(x, K, w.r0, w.r1, a);
   w.sync();
 }
 
 // RoPE of the thread's rows of q and k (from s.qkv into s.q / s.k), and their K and V into the
 // layer's caches at the rows' slots.
+template <class Kit>
 inline void rope_store_phase(const StackBase& st, Scratch& s, const float* cos, const float* sin, const int64_t* slots,
                              void* k_cache, void* v_cache, Worker& w) {
   const int64_t nq = st.nq, nkv = st.nkv, hd = st.hd, qkv_n = (nq + 2 * nkv) * hd;
-  tm_fused::rope_rows_avx512(s.qkv, qkv_n, cos, sin, nq, nkv, hd, s.q, s.k, w.r0, w.r1);
+  Kit::rope(s.qkv, qkv_n, cos, sin, nq, nkv, hd, s.q, s.k, w.r0, w.r1);
   for (int64_t t = w.r0; t < w.r1; ++t) {
     for (int64_t j = 0; j < nkv; ++j) {
       const int64_t row = j * st.num_slots + slots[t];
-      tm_fused::store_cache_row(true, st.cache_format, s.k + (t * nkv + j) * hd, k_cache, row, hd);
-      tm_fused::store_cache_row(true, st.cache_format, s.qkv + t * qkv_n + (nq + nkv + j) * hd, v_cache, row, hd);
+      Kit::store_row(st.cache_format, s.k + (t * nkv + j) * hd, k_cache, row, hd);
+      Kit::store_row(st.cache_format, s.qkv + t * qkv_n + (nq + nkv + j) * hd, v_cache, row, hd);
     }
   }
   w.sync();
@@ -218,6 +229,7 @@ inline void rope_store_phase(const StackBase& st, Scratch& s, const float* cos, 
 
 // The thread's share of the attention items (the split at::parallel_for makes: contiguous chunks of
 // ceil(n / team) items), the merge of split runs by one thread, then the rows rounded for o.
+template <class Kit>
 inline void attention_phase(const StackBase& st, Scratch& s, const tm_attention::Args& la,
                             tm_attention::RangeFn attend, const tm_attention::Plan& plan, Worker& w) {
   const int64_t num_items = plan.num_items(), chunk = (num_items + w.team - 1) / w.team;
@@ -233,18 +245,18 @@ inline void attention_phase(const StackBase& st, Scratch& s, const tm_attention:
     }
     w.sync();
   }
-  quantize_phase(s.attn, st.nq * st.hd, s.a_attn, w);
+  quantize_phase<Kit>(s.attn, st.nq * st.hd, s.a_attn, w);
 }
 
 // The gated MLP from the rounded s.h into s.delta: gate_up, act(gate, up) on the thread's rows
 // (Act: void(const float* gu, int64_t inter, float* out, int64_t t0, int64_t t1)), rounded, down.
-template <class Act>
+template <class Kit, class Act>
 inline void mlp_phase(const StackBase& st, Scratch& s, const Linear& gate_up, const Linear& down, int64_t T, Worker& w,
                       Act act) {
-  linear_phase(gate_up, s.a_hidden, T, s.gu, w);
+  linear_phase<Kit>(gate_up, s.a_hidden, T, s.gu, w);
   act(s.gu, st.inter, s.act, w.r0, w.r1);
-  quantize_phase(s.act, st.inter, s.a_inter, w);
-  linear_phase(down, s.a_inter, T, s.delta, w);
+  quantize_phase<Kit>(s.act, st.inter, s.a_inter, w);
+  linear_phase<Kit>(down, s.a_inter, T, s.delta, w);
 }
 
 }  // namespace tm_step

@@ -93,21 +93,21 @@ inline std::vector<int> kv_owners(const StackBase& st, const Linear& qkv, int te
 // The qkv linear's share; with early K/V (`owners`: kv_owner of each KV head) the K and V rows of
 // the heads this thread computed, k-normed by `norm_k(float* head)` (gemma; a no-op elsewhere),
 // RoPE'd and stored at `slot`. Then the barrier.
-template <class NormK>
+template <class Kit, class NormK>
 inline void row_qkv_phase(const StackBase& st, Scratch& s, RowCopy& r, const Linear& qkv, const int* owners,
                           const float* cos, const float* sin, int64_t slot, void* k_cache, void* v_cache, Worker& w,
                           NormK norm_k) {
-  linear_share(qkv, r.a_hidden, r.rows, s.qkv, w.tid, w.team);
+  linear_share<Kit>(qkv, r.a_hidden, r.rows, s.qkv, w.tid, w.team);
   const int64_t nq = st.nq, nkv = st.nkv, hd = st.hd;
   for (int64_t j = 0; owners != nullptr && j < nkv; ++j) {
     if (owners[j] != w.tid) continue;
     float* k = r.qk + (nq + j) * hd;
     std::memcpy(k, s.qkv + (nq + j) * hd, static_cast<size_t>(hd) * sizeof(float));
     norm_k(k);
-    tm_fused::rope_rows_avx512(k, 0, cos, sin, 0, 1, hd, r.q, r.k + j * hd, 0, r.rows);  // one k head
+    Kit::rope(k, 0, cos, sin, 0, 1, hd, r.q, r.k + j * hd, 0, r.rows);  // one k head
     const int64_t row = j * st.num_slots + slot;
-    tm_fused::store_cache_row(true, st.cache_format, r.k + j * hd, k_cache, row, hd);
-    tm_fused::store_cache_row(true, st.cache_format, s.qkv + (nq + nkv + j) * hd, v_cache, row, hd);
+    Kit::store_row(st.cache_format, r.k + j * hd, k_cache, row, hd);
+    Kit::store_row(st.cache_format, s.qkv + (nq + nkv + j) * hd, v_cache, row, hd);
   }
   w.sync();
 }
@@ -119,11 +119,12 @@ inline void row_qkv_phase(const StackBase& st, Scratch& s, RowCopy& r, const Lin
 // With early K/V (`early`) the K/V rows are stored already and only q is RoPE'd here; one item of a
 // head_dim the plain-loop kernel runs (attend_one_scalar: each query head on its own, so a subset of
 // them gives the same bits) is then split by query heads between the threads.
+template <class Kit>
 inline void row_attention_phase(const StackBase& st, Scratch& s, RowCopy& r, const float* qk, const float* cos,
                                 const float* sin, int64_t slot, tm_attention::Args la, tm_attention::RangeFn attend,
                                 const tm_attention::Plan& plan, bool early, Worker& w) {
   const int64_t nq = st.nq, nkv = st.nkv, hd = st.hd;
-  tm_fused::rope_rows_avx512(qk, 0, cos, sin, nq, early ? 0 : nkv, hd, r.q, r.k, 0, r.rows);
+  Kit::rope(qk, 0, cos, sin, nq, early ? 0 : nkv, hd, r.q, r.k, 0, r.rows);
   const int64_t num_items = plan.num_items(), chunk = (num_items + w.team - 1) / w.team;
   if (early && num_items == 1 && nkv == 1 && hd > 128 && w.team > 1) {
     int64_t g0, g1;
@@ -133,30 +134,30 @@ inline void row_attention_phase(const StackBase& st, Scratch& s, RowCopy& r, con
     la.out = s.attn + g0 * hd;
     if (g0 < g1) attend(la, 0, 1, w.scores.data(), w.acc.data());
     w.sync();
-    tm_vnni::quantize_rows<kTerms>(s.attn, nq * hd, 0, r.rows, r.a_attn);
+    Kit::quantize_rows(s.attn, nq * hd, 0, r.rows, r.a_attn);
     return;
   }
   const int64_t i0 = std::min(num_items, w.tid * chunk), i1 = std::min(num_items, i0 + chunk);
   for (int64_t i = i0; i < i1 && !early; ++i) {
     const int64_t j = plan.items[i * tm_attention::kItemFields + 2], row = j * st.num_slots + slot;
-    tm_fused::store_cache_row(true, st.cache_format, r.k + j * hd, const_cast<void*>(la.k), row, hd);
-    tm_fused::store_cache_row(true, st.cache_format, s.qkv + (nq + nkv + j) * hd, const_cast<void*>(la.v), row, hd);
+    Kit::store_row(st.cache_format, r.k + j * hd, const_cast<void*>(la.k), row, hd);
+    Kit::store_row(st.cache_format, s.qkv + (nq + nkv + j) * hd, const_cast<void*>(la.v), row, hd);
   }
   la.q = r.q;
   if (i0 < i1) attend(la, i0, i1, w.scores.data(), w.acc.data());
   w.sync();
-  tm_vnni::quantize_rows<kTerms>(s.attn, nq * hd, 0, r.rows, r.a_attn);
+  Kit::quantize_rows(s.attn, nq * hd, 0, r.rows, r.a_attn);
 }
 
 // The gated MLP of the rounded row in the copy into s.delta: gate_up, act(gate, up) and its
 // rounding in every thread, down.
-template <class Act>
+template <class Kit, class Act>
 inline void row_mlp_phase(const StackBase& st, Scratch& s, RowCopy& r, const Linear& gate_up, const Linear& down,
                           Worker& w, Act act) {
-  linear_phase(gate_up, r.a_hidden, r.rows, s.gu, w);
+  linear_phase<Kit>(gate_up, r.a_hidden, r.rows, s.gu, w);
   act(s.gu, st.inter, r.act, 0, r.rows);
-  tm_vnni::quantize_rows<kTerms>(r.act, st.inter, 0, r.rows, r.a_inter);
-  linear_phase(down, r.a_inter, r.rows, s.delta, w);
+  Kit::quantize_rows(r.act, st.inter, 0, r.rows, r.a_inter);
+  linear_phase<Kit>(down, r.a_inter, r.rows, s.delta, w);
 }
 
 // The step's output row (the final norm, computed in every copy) and the residual stream (the

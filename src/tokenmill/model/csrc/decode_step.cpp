@@ -7,8 +7,9 @@
 // forked once per step, and the phases of each layer are separated by barriers (step_barrier.h), a
 // microsecond each while the threads spin (GOMP_SPINCOUNT covers the gaps inside a step).
 //
-// The phases are decode_phases.h's, shared with the gemma family (decode_step_gemma.h); this file is
-// the llama family's sequence of them: norm, qkv, RoPE + K/V store, attention, o, the residual add +
+// The phases are decode_phases.h's, shared with the gemma family (decode_step_gemma.h), and run the
+// kernels of one kit (decode_kits.h: AVX512-VNNI, or AVX2 on CPUs without AVX-512); this file is the
+// llama family's sequence of them: norm, qkv, RoPE + K/V store, attention, o, the residual add +
 // RMSNorm (fused_ops.h), then SiLU-gated MLP or routed experts (decode_step_moe.h), residual + norm.
 // The arithmetic is the unfused fast path's, from the same kernels, in the same order.
 //
@@ -17,10 +18,11 @@
 
 #include "fused_ops.h"
 #include "paged_attention.h"
+#include "quant_avx2.h"
 #include "quant_vnni.h"
-#include "decode_step_moe.h"
 #include "decode_phases.h"
 #include "decode_row_phases.h"
+#include "decode_step_moe.h"
 
 #include <omp.h>
 
@@ -47,7 +49,7 @@ struct DecodeStack : tm_step::StackBase {
   std::vector<Layer> layers;
   std::vector<tm_moe::Block> moe_blocks;
 
-  DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<int64_t> parts,
+  DecodeStack(int64_t kit_id, std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<int64_t> parts,
               std::vector<at::Tensor> k_caches,
               std::vector<at::Tensor> v_caches, at::Tensor final_norm_in, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, double rms_eps, double attn_scale) {
@@ -62,7 +64,7 @@ struct DecodeStack : tm_step::StackBase {
                     static_cast<int64_t>(tensors.size()) ==
                         L * kNormsPerLayer + total_parts * tm_step::kTensorsPerPart,
                 "expected per layer 2 norms, 4 linears of 4 tensors and a format per part, a K and V cache");
-    bind(tensors, final_norm_in, k_caches[0], num_heads, num_kv_heads, head_dim, rms_eps, attn_scale);
+    bind(kit_id, tensors, final_norm_in, k_caches[0], num_heads, num_kv_heads, head_dim, rms_eps, attn_scale);
     const int64_t qkv_n = (nq + 2 * nkv) * hd;
     const at::Tensor* t = tensors.data();
     const int64_t* f = formats.data();
@@ -112,7 +114,7 @@ struct DecodeStack : tm_step::StackBase {
       const int bits = tm_vnni::fmt_bits(static_cast<int>(formats[j]));
       TORCH_CHECK(bits > 0, "unknown weight format ", formats[j]);
       N = t[0].numel() * 8 / (K * bits);
-      return tm_vnni::check(t[0], t[1], t[2], t[3], formats[j], N, K);
+      return tm_vnni::check_shapes(t[0], t[1], t[2], t[3], formats[j], N, K);
     };
     auto expert = [&](int64_t j, int64_t& ff) {
       int64_t n_gu = 0, n_down = 0;
@@ -147,6 +149,15 @@ struct DecodeStack : tm_step::StackBase {
   // decode row; consecutive rows of one sequence form runs). Returns the final norm's output.
   at::Tensor run(at::Tensor x, at::Tensor cos_in, at::Tensor sin_in, at::Tensor slots_in, at::Tensor table_in,
                  at::Tensor lens_in, int64_t page_size) {
+    return tm_step::with_kit(kit, [&]<class Kit>() {
+      return run_with<Kit>(x, cos_in, sin_in, slots_in, table_in, lens_in, page_size);
+    });
+  }
+
+  template <class Kit>
+  at::Tensor run_with(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                      const at::Tensor& slots_in, const at::Tensor& table_in, const at::Tensor& lens_in,
+                      int64_t page_size) {
     check_step(x, page_size);
     const int64_t T = x.size(0);
     const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
@@ -160,7 +171,7 @@ struct DecodeStack : tm_step::StackBase {
     const int64_t* sp = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the cache");
     const int nt = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
-    const tm_attention::Isa isa = tm_attention::selected_isa(-1);
+    const tm_attention::Isa isa = Kit::isa();
     // Checks every page id and length: nothing inside the parallel region can fail.
     const tm_attention::Plan plan = tm_attention::make_plan(table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), T,
                                                             table.size(1), page_size, num_slots / page_size, nq,
@@ -180,13 +191,10 @@ struct DecodeStack : tm_step::StackBase {
         tm_attention::make_args(plan, s.q, s.attn, s.partial, table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                 table.size(1), page_size, nq, nkv, hd, static_cast<float>(scale),
                                 num_slots * row_elems, row_elems);
-    // An AVX-512 variant (the constructor checked for AVX-512), the op's own choice.
-    const tm_attention::RangeFn attend = tm_attention::pick_avx512(isa, cache_format);
+    const tm_attention::RangeFn attend = Kit::attention(cache_format);
     const float e = static_cast<float>(eps);
     const int64_t L = static_cast<int64_t>(layers.size());
-    const auto silu_mul = [](const float* gu, int64_t n, float* o, int64_t t0, int64_t t1) {
-      tm_fused::silu_mul_rows_avx512(gu, n, o, t0, t1);
-    };
+    const auto silu_mul = Kit::silu_mul;
     tm_step::StepLogs logs(barrier, nt);
 
     const bool row_mode = tm_step::one_row(T, plan);
@@ -197,31 +205,31 @@ struct DecodeStack : tm_step::StackBase {
       Worker w(T, plan.scores_size, nq / nkv * hd, barrier, logs.logs);
       if (row_mode) {
         tm_step::RowCopy r = tm_step::make_row_copy(*this, copies.data_ptr<float>(), w.tid, xp, T);
-        run_row(r, s, moe_scratch, args, attend, cp, snp, sp[0], plan, xp, op, w);
+        run_row<Kit>(r, s, moe_scratch, args, attend, cp, snp, sp[0], plan, xp, op, w);
       } else {
-        tm_fused::add_rms_norm_rows_avx512(xp, s.zero, layers[0].input_norm, hidden, e, s.h, w.r0, w.r1);
-        tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
+        Kit::add_rms_norm(xp, s.zero, layers[0].input_norm, hidden, e, s.h, w.r0, w.r1);
+        tm_step::quantize_phase<Kit>(s.h, hidden, s.a_hidden, w);
         for (int64_t i = 0; i < L; ++i) {
           const Layer& l = layers[i];
-          tm_step::linear_phase(l.qkv, s.a_hidden, T, s.qkv, w);
-          tm_step::rope_store_phase(*this, s, cp, snp, sp, l.k_cache, l.v_cache, w);
+          tm_step::linear_phase<Kit>(l.qkv, s.a_hidden, T, s.qkv, w);
+          tm_step::rope_store_phase<Kit>(*this, s, cp, snp, sp, l.k_cache, l.v_cache, w);
           tm_attention::Args la = args;
           la.k = l.k_cache;
           la.v = l.v_cache;
-          tm_step::attention_phase(*this, s, la, attend, plan, w);
-          tm_step::linear_phase(l.o, s.a_attn, T, s.delta, w);
-          tm_fused::add_rms_norm_rows_avx512(xp, s.delta, l.post_norm, hidden, e, s.h, w.r0, w.r1);
-          tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
+          tm_step::attention_phase<Kit>(*this, s, la, attend, plan, w);
+          tm_step::linear_phase<Kit>(l.o, s.a_attn, T, s.delta, w);
+          Kit::add_rms_norm(xp, s.delta, l.post_norm, hidden, e, s.h, w.r0, w.r1);
+          tm_step::quantize_phase<Kit>(s.h, hidden, s.a_hidden, w);
           if (l.moe < 0) {
-            tm_step::mlp_phase(*this, s, l.gate_up, l.down, T, w, silu_mul);
+            tm_step::mlp_phase<Kit>(*this, s, l.gate_up, l.down, T, w, silu_mul);
           } else {
-            tm_moe::ffn<kTerms>(moe_blocks[l.moe], moe_scratch, s.h, s.a_hidden, hidden, s.delta, w.tid, w.team);
+            tm_moe::ffn<Kit>(moe_blocks[l.moe], moe_scratch, s.h, s.a_hidden, hidden, s.delta, w.tid, w.team);
             w.sync();
           }
           const bool last = i + 1 == L;
-          tm_fused::add_rms_norm_rows_avx512(xp, s.delta, last ? final_norm : layers[i + 1].input_norm, hidden, e,
-                                             last ? op : s.h, w.r0, w.r1);
-          tm_step::quantize_phase(s.h, hidden, s.a_hidden, w, !last);
+          Kit::add_rms_norm(xp, s.delta, last ? final_norm : layers[i + 1].input_norm, hidden, e, last ? op : s.h,
+                            w.r0, w.r1);
+          tm_step::quantize_phase<Kit>(s.h, hidden, s.a_hidden, w, !last);
         }
       }
     }
@@ -231,39 +239,36 @@ struct DecodeStack : tm_step::StackBase {
 
   // The layers of a one-row step with every thread holding the row (decode_row_phases.h): 5
   // barriers a layer (qkv, attention, o, gate_up, down; a MoE block's 2 for the last two).
+  template <class Kit>
   void run_row(tm_step::RowCopy& r, tm_step::Scratch& s, tm_moe::Scratch& moe_scratch, const tm_attention::Args& args,
                tm_attention::RangeFn attend, const float* cos, const float* sin, int64_t slot,
                const tm_attention::Plan& plan, float* x, float* out, Worker& w) {
     const float e = static_cast<float>(eps);
-    const auto silu_mul = [](const float* gu, int64_t n, float* o, int64_t t0, int64_t t1) {
-      tm_fused::silu_mul_rows_avx512(gu, n, o, t0, t1);
-    };
-    tm_fused::add_rms_norm_rows_avx512(r.x, s.zero, layers[0].input_norm, hidden, e, r.h, 0, r.rows);
-    tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
+    Kit::add_rms_norm(r.x, s.zero, layers[0].input_norm, hidden, e, r.h, 0, r.rows);
+    Kit::quantize_rows(r.h, hidden, 0, r.rows, r.a_hidden);
     const int64_t L = static_cast<int64_t>(layers.size());
     const std::vector<int> owners = tm_step::kv_owners(*this, layers[0].qkv, w.team);  // every layer's split
     const int* early = owners.empty() ? nullptr : owners.data();
     const auto no_norm = [](float*) {};
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers[i];
-      tm_step::row_qkv_phase(*this, s, r, l.qkv, early, cos, sin, slot, l.k_cache, l.v_cache, w, no_norm);
+      tm_step::row_qkv_phase<Kit>(*this, s, r, l.qkv, early, cos, sin, slot, l.k_cache, l.v_cache, w, no_norm);
       tm_attention::Args la = args;
       la.k = l.k_cache;
       la.v = l.v_cache;
-      tm_step::row_attention_phase(*this, s, r, s.qkv, cos, sin, slot, la, attend, plan, early != nullptr, w);
-      tm_step::linear_phase(l.o, r.a_attn, r.rows, s.delta, w);
-      tm_fused::add_rms_norm_rows_avx512(r.x, s.delta, l.post_norm, hidden, e, r.h, 0, r.rows);
-      tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
+      tm_step::row_attention_phase<Kit>(*this, s, r, s.qkv, cos, sin, slot, la, attend, plan, early != nullptr, w);
+      tm_step::linear_phase<Kit>(l.o, r.a_attn, r.rows, s.delta, w);
+      Kit::add_rms_norm(r.x, s.delta, l.post_norm, hidden, e, r.h, 0, r.rows);
+      Kit::quantize_rows(r.h, hidden, 0, r.rows, r.a_hidden);
       if (l.moe < 0) {
-        tm_step::row_mlp_phase(*this, s, r, l.gate_up, l.down, w, silu_mul);
+        tm_step::row_mlp_phase<Kit>(*this, s, r, l.gate_up, l.down, w, Kit::silu_mul);
       } else {
-        tm_moe::ffn<kTerms>(moe_blocks[l.moe], moe_scratch, r.h, r.a_hidden, hidden, s.delta, w.tid, w.team);
+        tm_moe::ffn<Kit>(moe_blocks[l.moe], moe_scratch, r.h, r.a_hidden, hidden, s.delta, w.tid, w.team);
         w.sync();
       }
       const bool last = i + 1 == L;
-      tm_fused::add_rms_norm_rows_avx512(r.x, s.delta, last ? final_norm : layers[i + 1].input_norm, hidden, e, r.h,
-                                         0, r.rows);
-      if (!last) tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
+      Kit::add_rms_norm(r.x, s.delta, last ? final_norm : layers[i + 1].input_norm, hidden, e, r.h, 0, r.rows);
+      if (!last) Kit::quantize_rows(r.h, hidden, 0, r.rows, r.a_hidden);
     }
     tm_step::row_output(*this, r, x, out, w);
   }
@@ -288,14 +293,14 @@ torch::class_<Stack>& with_barrier(torch::class_<Stack>& c) {
 
 TORCH_LIBRARY(tokenmill_step, m) {
   auto llama = m.class_<DecodeStack>("DecodeStack");
-  llama.def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
+  llama.def(torch::init<int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>,
                        at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("set_moe", &DecodeStack::set_moe)
       .def("run", &DecodeStack::run);
   with_barrier(llama);
   auto gemma = m.class_<GemmaDecodeStack>("GemmaDecodeStack");
-  gemma.def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
+  gemma.def(torch::init<int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, std::vector<int64_t>, int64_t,
                        int64_t, int64_t, double, double, double>())
       .def("run", &GemmaDecodeStack::run);

@@ -21,59 +21,69 @@
 
 namespace {
 
-using tm_step::kTerms;
 using tm_step::Linear;
 using tm_step::Worker;
 
 constexpr int64_t kGemmaNorms = 6;  // input, post-attention, pre-MLP, post-MLP, q (per head), k (per head)
 
+// Gemma's own row steps, per ISA (the kit's): GeGLU's gelu_tanh(gate) * up; RMSNorm of n-value vectors
+// in place (`count` of them from x on, `stride` apart); x += norm(delta) * w_delta then out = norm(x) *
+// w_out (gemma's post-norm residual add and the next norm in one pass over each row).
 // GELU, tanh form: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh from exp_nonpos of -2|u|.
-__attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))) void gelu_tanh_mul_rows(
-    const float* gu, int64_t inter, float* out, int64_t t0, int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    const float* g = gu + t * 2 * inter;
-    const float* u = g + inter;
-    float* o = out + t * inter;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) {
-      const float x = g[i];
-      const float v = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-      const float e = tm_math::exp_nonpos(v > 0.f ? -2.f * v : 2.f * v);
-      const float th = (1.f - e) / (1.f + e);
-      o[i] = 0.5f * x * (1.f + (v > 0.f ? th : -th)) * u[i];
-    }
+#define TM_GEMMA_ROWS(SUFFIX, ATTR)                                                                      \
+  ATTR void gelu_tanh_mul_rows_##SUFFIX(const float* gu, int64_t inter, float* out, int64_t t0, int64_t t1) { \
+    for (int64_t t = t0; t < t1; ++t) {                                                                  \
+      const float* g = gu + t * 2 * inter;                                                               \
+      const float* u = g + inter;                                                                        \
+      float* o = out + t * inter;                                                                        \
+      _Pragma("omp simd") for (int64_t i = 0; i < inter; ++i) {                                          \
+        const float x = g[i];                                                                            \
+        const float v = 0.7978845608028654f * (x + 0.044715f * x * x * x);                               \
+        const float e = tm_math::exp_nonpos(v > 0.f ? -2.f * v : 2.f * v);                               \
+        const float th = (1.f - e) / (1.f + e);                                                          \
+        o[i] = 0.5f * x * (1.f + (v > 0.f ? th : -th)) * u[i];                                           \
+      }                                                                                                  \
+    }                                                                                                    \
+  }                                                                                                      \
+  ATTR void rms_norm_inplace_##SUFFIX(float* x, int64_t count, int64_t stride, int64_t n, const float* w,  \
+                                      float eps) {                                                       \
+    for (int64_t c = 0; c < count; ++c) {                                                                \
+      float* v = x + c * stride;                                                                         \
+      float ss = 0.f;                                                                                    \
+      _Pragma("omp simd reduction(+ : ss)") for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];           \
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);                               \
+      _Pragma("omp simd") for (int64_t i = 0; i < n; ++i) v[i] = w[i] * (v[i] * inv);                    \
+    }                                                                                                    \
+  }                                                                                                      \
+  ATTR void add_normed_rows_##SUFFIX(float* x, float* delta, const float* w_delta, const float* w_out,     \
+                                     int64_t hidden, float eps, float* out, int64_t t0, int64_t t1) {    \
+    for (int64_t t = t0; t < t1; ++t) {                                                                  \
+      rms_norm_inplace_##SUFFIX(delta + t * hidden, 1, hidden, hidden, w_delta, eps);                    \
+      float* xr = x + t * hidden;                                                                        \
+      const float* dr = delta + t * hidden;                                                              \
+      _Pragma("omp simd") for (int64_t i = 0; i < hidden; ++i) xr[i] += dr[i];                           \
+      std::memcpy(out + t * hidden, xr, static_cast<size_t>(hidden) * sizeof(float));                    \
+      rms_norm_inplace_##SUFFIX(out + t * hidden, 1, hidden, hidden, w_out, eps);                        \
+    }                                                                                                    \
   }
-}
 
-// RMSNorm of n-value vectors in place, `count` of them from x on, `stride` apart.
-__attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))) void rms_norm_inplace(
-    float* x, int64_t count, int64_t stride, int64_t n, const float* w, float eps) {
-  for (int64_t c = 0; c < count; ++c) {
-    float* v = x + c * stride;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) v[i] = w[i] * (v[i] * inv);
-  }
-}
+TM_GEMMA_ROWS(avx512, __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))))
+TM_GEMMA_ROWS(avx2, __attribute__((target("arch=x86-64-v3"))))
 
-// Rows t0..t1: x += norm(delta) * w_delta, then out = norm(x) * w_out (gemma's post-norm residual
-// add and the next norm in one pass over each row).
-__attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))) void add_normed_rows(
-    float* x, float* delta, const float* w_delta, const float* w_out, int64_t hidden, float eps, float* out,
-    int64_t t0, int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    rms_norm_inplace(delta + t * hidden, 1, hidden, hidden, w_delta, eps);
-    float* xr = x + t * hidden;
-    const float* dr = delta + t * hidden;
-#pragma omp simd
-    for (int64_t i = 0; i < hidden; ++i) xr[i] += dr[i];
-    std::memcpy(out + t * hidden, xr, static_cast<size_t>(hidden) * sizeof(float));
-    rms_norm_inplace(out + t * hidden, 1, hidden, hidden, w_out, eps);
-  }
-}
+// The variant of the kit's ISA.
+template <class Kit>
+struct GemmaRows {
+  static constexpr auto gelu_tanh_mul = gelu_tanh_mul_rows_avx512;
+  static constexpr auto rms_norm_inplace = rms_norm_inplace_avx512;
+  static constexpr auto add_normed_rows = add_normed_rows_avx512;
+};
+
+template <>
+struct GemmaRows<tm_step::Avx2Kit> {
+  static constexpr auto gelu_tanh_mul = gelu_tanh_mul_rows_avx2;
+  static constexpr auto rms_norm_inplace = rms_norm_inplace_avx2;
+  static constexpr auto add_normed_rows = add_normed_rows_avx2;
+};
 
 struct GemmaLayer {
   const float* norms[4];  // input, post-attention, pre-MLP, post-MLP
@@ -90,7 +100,7 @@ struct GemmaDecodeStack : tm_step::StackBase {
   std::vector<GemmaLayer> layers;
   double softcap = 0;
 
-  GemmaDecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<int64_t> parts,
+  GemmaDecodeStack(int64_t kit_id, std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<int64_t> parts,
                    std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor final_norm_in,
                    std::vector<int64_t> windows, std::vector<int64_t> ropes, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, double rms_eps, double attn_scale, double attn_softcap) {
@@ -108,7 +118,7 @@ struct GemmaDecodeStack : tm_step::StackBase {
                 "a window and a RoPE index");
     TORCH_CHECK(attn_softcap >= 0, "the attention soft-cap must be >= 0");
     softcap = attn_softcap;
-    bind(tensors, final_norm_in, k_caches[0], num_heads, num_kv_heads, head_dim, rms_eps, attn_scale);
+    bind(kit_id, tensors, final_norm_in, k_caches[0], num_heads, num_kv_heads, head_dim, rms_eps, attn_scale);
     const at::Tensor* t = tensors.data();
     const int64_t* f = formats.data();
     const int64_t* np = parts.data();
@@ -150,6 +160,14 @@ struct GemmaDecodeStack : tm_step::StackBase {
   at::Tensor run(at::Tensor x, std::vector<at::Tensor> cos_in, std::vector<at::Tensor> sin_in,
                  std::vector<at::Tensor> slots_in, std::vector<at::Tensor> tables_in, at::Tensor lens_in,
                  int64_t page_size) {
+    return tm_step::with_kit(kit, [&]<class Kit>() { return run_with<Kit>(x, cos_in, sin_in, slots_in, tables_in, lens_in, page_size); });
+  }
+
+  template <class Kit>
+  at::Tensor run_with(const at::Tensor& x, const std::vector<at::Tensor>& cos_in, const std::vector<at::Tensor>& sin_in,
+                      const std::vector<at::Tensor>& slots_in, const std::vector<at::Tensor>& tables_in,
+                      const at::Tensor& lens_in, int64_t page_size) {
+    using Rows = GemmaRows<Kit>;
     check_step(x, page_size);
     const int64_t T = x.size(0), L = static_cast<int64_t>(layers.size());
     TORCH_CHECK(!cos_in.empty() && cos_in.size() == sin_in.size() && cos_in.size() <= 2, "one or two cos/sin tables");
@@ -166,7 +184,7 @@ struct GemmaDecodeStack : tm_step::StackBase {
     const at::Tensor lens = lens_in.to(at::kLong).contiguous();
     TORCH_CHECK(lens.numel() == T, "one length per row");
     const int nt = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
-    const tm_attention::Isa isa = tm_attention::selected_isa(-1);
+    const tm_attention::Isa isa = Kit::isa();
 
     // Per layer: its slots, and the plan of its (table, window), each made (and checked) once.
     std::map<const void*, at::Tensor> slot_lists, tables;
@@ -210,7 +228,7 @@ struct GemmaDecodeStack : tm_step::StackBase {
     float* xp = x.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t row_elems = tm_kv::row_width(cache_format, hd);
-    const tm_attention::RangeFn attend = tm_attention::pick_avx512(tm_attention::selected_isa(-1), cache_format);
+    const tm_attention::RangeFn attend = Kit::attention(cache_format);
     const float e = static_cast<float>(eps);
     const int64_t rope_tables = static_cast<int64_t>(cos.size());
     tm_step::StepLogs logs(barrier, nt);
@@ -235,32 +253,32 @@ struct GemmaDecodeStack : tm_step::StackBase {
       Worker w(T, scores_size, nq / nkv * hd, barrier, logs.logs);
       if (row_mode) {
         tm_step::RowCopy r = tm_step::make_row_copy(*this, copies.data_ptr<float>(), w.tid, xp, T);
-        run_row(r, s, layer_args, layer_plans, layer_slots, cos, sin, xp, op, w);
+        run_row<Kit>(r, s, layer_args, layer_plans, layer_slots, cos, sin, xp, op, w);
       } else {
         for (int64_t t = w.r0; t < w.r1; ++t) std::memcpy(s.h + t * hidden, xp + t * hidden, hidden * sizeof(float));
-        rms_norm_inplace(s.h + w.r0 * hidden, w.r1 - w.r0, hidden, hidden, layers[0].norms[0], e);
-        tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
+        Rows::rms_norm_inplace(s.h + w.r0 * hidden, w.r1 - w.r0, hidden, hidden, layers[0].norms[0], e);
+        tm_step::quantize_phase<Kit>(s.h, hidden, s.a_hidden, w);
         for (int64_t i = 0; i < L; ++i) {
           const GemmaLayer& l = layers[i];
-          tm_step::linear_phase(l.qkv, s.a_hidden, T, s.qkv, w);
+          tm_step::linear_phase<Kit>(l.qkv, s.a_hidden, T, s.qkv, w);
           if (l.q_norm != nullptr) {
             for (int64_t t = w.r0; t < w.r1; ++t) {
-              rms_norm_inplace(s.qkv + t * qkv_n, nq, hd, hd, l.q_norm, e);
-              rms_norm_inplace(s.qkv + t * qkv_n + nq * hd, nkv, hd, hd, l.k_norm, e);
+              Rows::rms_norm_inplace(s.qkv + t * qkv_n, nq, hd, hd, l.q_norm, e);
+              Rows::rms_norm_inplace(s.qkv + t * qkv_n + nq * hd, nkv, hd, hd, l.k_norm, e);
             }
           }
           const int64_t rp = std::min(l.rope, rope_tables - 1);
-          tm_step::rope_store_phase(*this, s, cos[rp].data_ptr<float>(), sin[rp].data_ptr<float>(), layer_slots[i],
+          tm_step::rope_store_phase<Kit>(*this, s, cos[rp].data_ptr<float>(), sin[rp].data_ptr<float>(), layer_slots[i],
                                     l.k_cache, l.v_cache, w);
-          tm_step::attention_phase(*this, s, layer_args[i], attend, *layer_plans[i], w);
-          tm_step::linear_phase(l.o, s.a_attn, T, s.delta, w);
-          add_normed_rows(xp, s.delta, l.norms[1], l.norms[2], hidden, e, s.h, w.r0, w.r1);
-          tm_step::quantize_phase(s.h, hidden, s.a_hidden, w);
-          tm_step::mlp_phase(*this, s, l.gate_up, l.down, T, w, gelu_tanh_mul_rows);
+          tm_step::attention_phase<Kit>(*this, s, layer_args[i], attend, *layer_plans[i], w);
+          tm_step::linear_phase<Kit>(l.o, s.a_attn, T, s.delta, w);
+          Rows::add_normed_rows(xp, s.delta, l.norms[1], l.norms[2], hidden, e, s.h, w.r0, w.r1);
+          tm_step::quantize_phase<Kit>(s.h, hidden, s.a_hidden, w);
+          tm_step::mlp_phase<Kit>(*this, s, l.gate_up, l.down, T, w, Rows::gelu_tanh_mul);
           const bool last = i + 1 == L;
-          add_normed_rows(xp, s.delta, l.norms[3], last ? final_norm : layers[i + 1].norms[0], hidden, e,
+          Rows::add_normed_rows(xp, s.delta, l.norms[3], last ? final_norm : layers[i + 1].norms[0], hidden, e,
                           last ? op : s.h, w.r0, w.r1);
-          tm_step::quantize_phase(s.h, hidden, s.a_hidden, w, !last);
+          tm_step::quantize_phase<Kit>(s.h, hidden, s.a_hidden, w, !last);
         }
       }
     }
@@ -270,20 +288,22 @@ struct GemmaDecodeStack : tm_step::StackBase {
 
   // The layers of a one-row step with every thread holding the row (decode_row_phases.h): 5
   // barriers a layer (qkv, attention, o, gate_up, down) instead of 10.
+  template <class Kit>
   void run_row(tm_step::RowCopy& r, tm_step::Scratch& s, const std::vector<tm_attention::Args>& layer_args,
                const std::vector<const tm_attention::Plan*>& layer_plans, const std::vector<const int64_t*>& layer_slots,
                const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin, float* x,
                float* out, Worker& w) {
     const float e = static_cast<float>(eps);
     const int64_t L = static_cast<int64_t>(layers.size()), qk_n = (nq + nkv) * hd;
-    const tm_attention::RangeFn attend = tm_attention::pick_avx512(tm_attention::selected_isa(-1), cache_format);
+    using Rows = GemmaRows<Kit>;
+    const tm_attention::RangeFn attend = Kit::attention(cache_format);
     std::memcpy(r.h, r.x, static_cast<size_t>(hidden) * sizeof(float));
-    rms_norm_inplace(r.h, r.rows, hidden, hidden, layers[0].norms[0], e);
-    tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
+    Rows::rms_norm_inplace(r.h, r.rows, hidden, hidden, layers[0].norms[0], e);
+    Kit::quantize_rows(r.h, hidden, 0, r.rows, r.a_hidden);
     // x += norm(delta) and the next norm, from the copy's own copy of the shared delta (normed in place).
     const auto add_delta = [&](const float* w_delta, const float* w_out) {
       std::memcpy(r.delta, s.delta, static_cast<size_t>(hidden) * sizeof(float));
-      add_normed_rows(r.x, r.delta, w_delta, w_out, hidden, e, r.h, 0, r.rows);
+      Rows::add_normed_rows(r.x, r.delta, w_delta, w_out, hidden, e, r.h, 0, r.rows);
     };
     const std::vector<int> owners = tm_step::kv_owners(*this, layers[0].qkv, w.team);  // every layer's split
     const int* early = owners.empty() ? nullptr : owners.data();
@@ -293,25 +313,25 @@ struct GemmaDecodeStack : tm_step::StackBase {
       const float* c = cos[rp].data_ptr<float>();
       const float* sn = sin[rp].data_ptr<float>();
       const auto norm_k = [&](float* k) {
-        if (l.k_norm != nullptr) rms_norm_inplace(k, r.rows, hd, hd, l.k_norm, e);
+        if (l.k_norm != nullptr) Rows::rms_norm_inplace(k, r.rows, hd, hd, l.k_norm, e);
       };
-      tm_step::row_qkv_phase(*this, s, r, l.qkv, early, c, sn, layer_slots[i][0], l.k_cache, l.v_cache, w, norm_k);
+      tm_step::row_qkv_phase<Kit>(*this, s, r, l.qkv, early, c, sn, layer_slots[i][0], l.k_cache, l.v_cache, w, norm_k);
       const float* qk = s.qkv;
       if (l.q_norm != nullptr) {
         std::memcpy(r.qk, s.qkv, static_cast<size_t>(early ? nq * hd : qk_n) * sizeof(float));
-        rms_norm_inplace(r.qk, nq, hd, hd, l.q_norm, e);
-        if (early == nullptr) rms_norm_inplace(r.qk + nq * hd, nkv, hd, hd, l.k_norm, e);
+        Rows::rms_norm_inplace(r.qk, nq, hd, hd, l.q_norm, e);
+        if (early == nullptr) Rows::rms_norm_inplace(r.qk + nq * hd, nkv, hd, hd, l.k_norm, e);
         qk = r.qk;
       }
-      tm_step::row_attention_phase(*this, s, r, qk, c, sn, layer_slots[i][0], layer_args[i], attend, *layer_plans[i],
+      tm_step::row_attention_phase<Kit>(*this, s, r, qk, c, sn, layer_slots[i][0], layer_args[i], attend, *layer_plans[i],
                                    early != nullptr, w);
-      tm_step::linear_phase(l.o, r.a_attn, r.rows, s.delta, w);
+      tm_step::linear_phase<Kit>(l.o, r.a_attn, r.rows, s.delta, w);
       add_delta(l.norms[1], l.norms[2]);
-      tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
-      tm_step::row_mlp_phase(*this, s, r, l.gate_up, l.down, w, gelu_tanh_mul_rows);
+      Kit::quantize_rows(r.h, hidden, 0, r.rows, r.a_hidden);
+      tm_step::row_mlp_phase<Kit>(*this, s, r, l.gate_up, l.down, w, Rows::gelu_tanh_mul);
       const bool last = i + 1 == L;
       add_delta(l.norms[3], last ? final_norm : layers[i + 1].norms[0]);
-      if (!last) tm_vnni::quantize_rows<kTerms>(r.h, hidden, 0, r.rows, r.a_hidden);
+      if (!last) Kit::quantize_rows(r.h, hidden, 0, r.rows, r.a_hidden);
     }
     tm_step::row_output(*this, r, x, out, w);
   }

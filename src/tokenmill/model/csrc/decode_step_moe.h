@@ -10,7 +10,7 @@
 //   lower expert id (torch.topk's order on CPU), renormalised where the model says;
 // - the step's (token, expert) assignments grouped by expert (a counting sort, stable in token order),
 //   the rows of each active expert rounded to two int8 terms and multiplied by its column-blocked
-//   gate_up and down weights (quant_vnni.h), SiLU(gate) * up between (fused_ops.h);
+//   gate_up and down weights (the kit's kernel), SiLU(gate) * up between;
 // - each token's weighted expert outputs added in ascending expert order (moe.py's order), then the
 //   shared expert (Qwen2-MoE) times sigmoid(x . gate).
 //
@@ -27,7 +27,9 @@
 // At T = 1 the rows an expert multiplies are the step's own rounded row (a_hidden); with more rows
 // each expert's rows are gathered from a_hidden's records (the same numbers: rounding is per row).
 //
-// Needs quant_vnni.h and fused_ops.h included first (decode_step.cpp does).
+// The kernels are the step's kit's (decode_kits.h: AVX512-VNNI or AVX2), a template parameter.
+//
+// Needs decode_phases.h included first (decode_step.cpp does).
 
 #include <algorithm>
 #include <cmath>
@@ -171,17 +173,6 @@ inline void plan(const Block& b, int64_t T, Route& s) {
   }
 }
 
-// fp32 dot product in 16 lanes (the router: E of these per token and layer; the compiler keeps a
-// scalar reduction in one lane, since it may not reorder the additions).
-TV_TARGET inline float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  float sum = _mm512_reduce_add_ps(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
 // The weight's column blocks from `nb` on, as a weight of its own (the kernels index blocks from 0).
 inline tm_vnni::Weights from_block(const tm_vnni::Weights& w, int64_t nb) {
   tm_vnni::Weights v = w;
@@ -199,28 +190,6 @@ template <int Terms>
 inline tm_vnni::Acts rows_from(const tm_vnni::Acts& a, int64_t m0) {
   return tm_vnni::Acts{a.xq + m0 * Terms * tm_vnni::kGroup, a.dx + m0 * Terms, a.qsum + m0,
                        a.msum + m0 * tm_vnni::kMergedSums, a.hqsum + m0 * 2, a.M};
-}
-
-// Groups [g0, g1) of row m of a G-group row rounded into a (x: the row's values from group g0), by
-// the calls quantize_rows makes for them when g0 is a multiple of 4.
-template <int Terms>
-TV_TARGET inline void quantize_span(const float* x, int64_t G, int64_t g0, int64_t g1, int64_t m,
-                                    const tm_vnni::Acts& a) {
-  using tm_vnni::kGroup;
-  const int64_t M = a.M;
-  for (int64_t g = g0; g < g1;) {
-    const int64_t at = g * M + m;
-    const tm_vnni::GroupOut o{a.xq + at * Terms * kGroup, a.dx + at * Terms, a.qsum + at,
-                              a.msum + at * tm_vnni::kMergedSums, a.hqsum + at * 2};
-    const float* src = x + (g - g0) * kGroup;
-    if (g + 4 <= G) {
-      tm_vnni::quantize4<Terms>(src, o, M);
-      g += 4;
-    } else {
-      tm_vnni::quantize1(_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16), Terms, o);
-      g += 1;
-    }
-  }
 }
 
 // Row records of `src` (T rows) copied to rows r0..r1 of `dst` (R rows): row r is token[r]'s.
@@ -243,23 +212,23 @@ inline void gather_rows(const tm_vnni::Acts& src, const int64_t* token, int64_t 
 
 // Unit u (columns 128 u ..) of one expert's n rows (`a`, from row 0): gate and up blocks, SiLU(gate)
 // * up, rounded into rows row0.. of `mid` (K = ff). `buf` holds n x (2 x 128 + 128) floats.
-template <int Terms>
+template <class Kit, int Terms>
 inline void gate_up_unit(const Expert& x, int64_t ff, const tm_vnni::Acts& a, int64_t n, int64_t u, int64_t row0,
                          const tm_vnni::Acts& mid, float* buf) {
   const int64_t c0 = u * kUnitCols, width = std::min(ff, c0 + kUnitCols) - c0, nb = width / tm_vnni::kCols;
   float* gu = buf;                 // [n, 2 width]: gate | up, the layout silu_mul_rows takes
   float* act = buf + n * 2 * width;  // [n, width]
-  tm_vnni::blocks<Terms>(from_block(x.gate_up, c0 / tm_vnni::kCols), a, 0, n, 2 * width, 0, nb, gu);
-  tm_vnni::blocks<Terms>(from_block(x.gate_up, (ff + c0) / tm_vnni::kCols), a, 0, n, 2 * width, 0, nb, gu + width);
-  tm_fused::silu_mul_rows_avx512(gu, width, act, 0, n);
+  Kit::blocks(from_block(x.gate_up, c0 / tm_vnni::kCols), a, 0, n, 2 * width, 0, nb, gu);
+  Kit::blocks(from_block(x.gate_up, (ff + c0) / tm_vnni::kCols), a, 0, n, 2 * width, 0, nb, gu + width);
+  Kit::silu_mul(gu, width, act, 0, n);
   const int64_t G = ff / tm_vnni::kGroup, g0 = c0 / tm_vnni::kGroup, g1 = g0 + width / tm_vnni::kGroup;
-  for (int64_t r = 0; r < n; ++r) quantize_span<Terms>(act + r * width, G, g0, g1, row0 + r, mid);
+  for (int64_t r = 0; r < n; ++r) Kit::quantize_span(act + r * width, G, g0, g1, row0 + r, mid);
 }
 
 // The block's output for the T rows of h (normed, fp32 [T, hidden]; a_hidden its rounded rows) into
 // delta [T, hidden]. Called by every thread of the team; separates its phases by barriers itself
 // and leaves delta's columns to the threads that wrote them (the caller's barrier follows).
-template <int Terms>
+template <class Kit, int Terms = tm_step::kTerms>
 inline void ffn(const Block& b, Scratch& s, const float* h, const tm_vnni::Acts& a_hidden, int64_t hidden,
                 float* delta, int tid, int nt) {
   const int64_t T = s.T, E = b.E, R = T * b.k, ff = b.ff, sf = b.shared_ff;
@@ -268,12 +237,12 @@ inline void ffn(const Block& b, Scratch& s, const float* h, const tm_vnni::Acts&
   Route& route = private_route ? mine.route : s.route;
   if (private_route) {
     route.resize(T, s.E, s.k);
-    for (int64_t i = 0; i < T * E; ++i) route.logits[i] = dot(h + (i / E) * hidden, b.router + (i % E) * hidden, hidden);
+    for (int64_t i = 0; i < T * E; ++i) route.logits[i] = Kit::dot(h + (i / E) * hidden, b.router + (i % E) * hidden, hidden);
     plan(b, T, route);
   } else {
     int64_t p0, p1;
     share_of(T * E, tid, nt, p0, p1);
-    for (int64_t i = p0; i < p1; ++i) route.logits[i] = dot(h + (i / E) * hidden, b.router + (i % E) * hidden, hidden);
+    for (int64_t i = p0; i < p1; ++i) route.logits[i] = Kit::dot(h + (i / E) * hidden, b.router + (i % E) * hidden, hidden);
 #pragma omp barrier
 #pragma omp single
     plan(b, T, route);
@@ -308,11 +277,11 @@ inline void ffn(const Block& b, Scratch& s, const float* h, const tm_vnni::Acts&
     if (r0 == r1) continue;
     const tm_vnni::Acts a = direct ? a_hidden : rows_from<Terms>(a_rows, r0);
     for (int64_t u = std::max(u0, base); u < std::min(u1, base + units); ++u)
-      gate_up_unit<Terms>(b.experts[e], ff, a, r1 - r0, u - base, r0, a_mid, mine.unit.data());
+      gate_up_unit<Kit, Terms>(b.experts[e], ff, a, r1 - r0, u - base, r0, a_mid, mine.unit.data());
     base += units;
   }
   for (int64_t u = std::max(u0, base); u < std::min(u1, base + shared_units); ++u)
-    gate_up_unit<Terms>(b.shared, sf, a_hidden, T, u - base, 0, a_shared_mid, mine.unit.data());
+    gate_up_unit<Kit, Terms>(b.shared, sf, a_hidden, T, u - base, 0, a_shared_mid, mine.unit.data());
 #pragma omp barrier
   // Phase 2: this thread's column blocks of every expert's down, then of the tokens' sums.
   int64_t b0, b1;
@@ -321,10 +290,9 @@ inline void ffn(const Block& b, Scratch& s, const float* h, const tm_vnni::Acts&
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = route.start[e], r1 = route.start[e + 1];
     if (r0 < r1)
-      tm_vnni::blocks<Terms>(b.experts[e].down, rows_from<Terms>(a_mid, r0), 0, r1 - r0, hidden, b0, b1,
-                             down + r0 * hidden);
+      Kit::blocks(b.experts[e].down, rows_from<Terms>(a_mid, r0), 0, r1 - r0, hidden, b0, b1, down + r0 * hidden);
   }
-  if (b.has_shared) tm_vnni::blocks<Terms>(b.shared.down, a_shared_mid, 0, T, hidden, b0, b1, s_down);
+  if (b.has_shared) Kit::blocks(b.shared.down, a_shared_mid, 0, T, hidden, b0, b1, s_down);
   const int64_t c0 = b0 * tm_vnni::kCols, c1 = b1 * tm_vnni::kCols;
   for (int64_t t = 0; t < T; ++t) {
     float* out = delta + t * hidden;
@@ -336,7 +304,7 @@ inline void ffn(const Block& b, Scratch& s, const float* h, const tm_vnni::Acts&
       for (int64_t i = c0; i < c1; ++i) out[i] += y[i] * w;
     }
     if (b.has_shared) {
-      const float g = 1.0f / (1.0f + std::exp(-dot(h + t * hidden, b.shared_gate, hidden)));
+      const float g = 1.0f / (1.0f + std::exp(-Kit::dot(h + t * hidden, b.shared_gate, hidden)));
       const float* y = s_down + t * hidden;
       for (int64_t i = c0; i < c1; ++i) out[i] += g * y[i];
     }

@@ -18,12 +18,6 @@ namespace {
 using namespace tm_avx2;
 using tm_vnni::with_decoder;
 
-template <int Terms>
-TA_TARGET void blocks(const Weights& w, const tm_vnni::Acts& a, int64_t m0, int64_t m1, int64_t N, int64_t nb0,
-                      int64_t nb1, float* y) {
-  with_decoder(w.fmt, [&]<class D>() { blocks_of<D, Terms>(w, a, m0, m1, N, nb0, nb1, y); });
-}
-
 Weights checked(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& subs,
                 int64_t fmt, int64_t N, int64_t K) {
   TORCH_CHECK(avx2_supported(), "this CPU has no AVX2 (or TOKENMILL_CPU_ISA does not allow it)");

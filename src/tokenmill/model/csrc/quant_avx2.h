@@ -257,16 +257,21 @@ TA_TARGET void round_group(const float* src, const tm_vnni::GroupOut& o) {
   o.hqsum[1] = half_sum[1];
 }
 
+// Groups [g0, g1) of row m rounded into a (x: the row's values from group g0 on).
+template <int Terms>
+TA_TARGET void round_span(const float* x, int64_t g0, int64_t g1, int64_t m, const tm_vnni::Acts& a) {
+  const int64_t M = a.M;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t at = g * M + m;
+    round_group<Terms>(x + (g - g0) * kGroup,
+                       tm_vnni::GroupOut{a.xq + at * kLayoutTerms * kGroup, a.dx + at * kLayoutTerms, a.qsum + at,
+                                         a.msum + at * kMergedSums, a.hqsum + at * 2});
+  }
+}
+
 template <int Terms>
 TA_TARGET void round_rows(const float* x, int64_t K, int64_t m0, int64_t m1, const tm_vnni::Acts& a) {
-  const int64_t G = K / kGroup, M = a.M;
-  for (int64_t m = m0; m < m1; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t at = g * M + m;
-      round_group<Terms>(x + m * K + g * kGroup,
-                         tm_vnni::GroupOut{a.xq + at * kLayoutTerms * kGroup, a.dx + at * kLayoutTerms, a.qsum + at,
-                                           a.msum + at * kMergedSums, a.hqsum + at * 2});
-    }
+  for (int64_t m = m0; m < m1; ++m) round_span<Terms>(x + m * K, 0, K / kGroup, m, a);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -391,6 +396,13 @@ TA_TARGET void blocks_of(const Weights& w, const tm_vnni::Acts& a, int64_t m0, i
         m += r;
       }
     }
+}
+
+// Blocks nb0..nb1 x rows m0..m1 of a weight of any format.
+template <int Terms>
+TA_TARGET void blocks(const Weights& w, const tm_vnni::Acts& a, int64_t m0, int64_t m1, int64_t N, int64_t nb0,
+                      int64_t nb1, float* y) {
+  tm_vnni::with_decoder(w.fmt, [&]<class D>() { tm_avx2::blocks_of<D, Terms>(w, a, m0, m1, N, nb0, nb1, y); });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -115,12 +115,6 @@ class QuantizedLinear:
         return self.weight if self._blocked is not None and self.bias is None else None
 
     @property
-    def vnni_weight(self) -> BlockedWeight | None:
-        """The column-blocked weight when calls below BLOCKED_DENSE_MIN_ROWS rows run the VNNI kernel
-        (what the fused decode step runs too), else None."""
-        return self.kernel_weight if quant_kernel.blocked_kernel() == "vnni" else None
-
-    @property
     def kernel_at_any_rows(self) -> bool:
         """Whether every call runs the blocked kernel (prompt_gemm "vnni"), never a dense GEMM."""
         return self._blocked is not None and self._gemm_rows == NEVER_DENSE
