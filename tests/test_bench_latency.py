@@ -150,3 +150,26 @@ print(json.dumps([entry(p, 0, 300.0), entry(0, n, 100.0)], indent=2))
 """)
     os.chmod(path, 0o755)
     return path
+
+
+def test_emulated_bf16_is_measured_small_and_prompts_compare_with_fp32(monkeypatch):
+    # Where bf16 GEMMs are emulated (no AVX512-BF16 / AMX, or TOKENMILL_CPU_ISA=avx2), fast mode's
+    # prompts run fp32 GEMMs: their ceiling is fp32's, and bf16's 2048 matmul (a minute a call
+    # there) is measured at a small size for the record.
+    import torch
+
+    from tokenmill.bench import common
+    from tokenmill.model.kernels import cpu_isa
+
+    sizes: list[tuple[torch.dtype, int]] = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: (sizes.append((a.dtype, a.shape[0])), real_mm(a, b))[1])
+    monkeypatch.setattr(cpu_isa, "bf16_gemm_native", lambda: False)
+    ceilings = common.matmul_ceilings(1, size=384, seconds=0.0)
+    assert common.fast_gemm_dtype() == "fp32" and set(ceilings) == {"fp32", "bf16"}
+    assert {s for d, s in sizes if d == torch.bfloat16} == {common.EMULATED_BF16_SIZE}
+    assert {s for d, s in sizes if d == torch.float32} == {384}
+    monkeypatch.setattr(cpu_isa, "bf16_gemm_native", lambda: True)
+    sizes.clear()
+    common.matmul_ceilings(1, size=384, seconds=0.0)
+    assert common.fast_gemm_dtype() == "bf16" and {s for _, s in sizes} == {384}

@@ -108,8 +108,22 @@ def model_flops(config: ModelConfig) -> ModelFlops:
     return ModelFlops(body_params=body, head_params=config.vocab_size * config.hidden_size)
 
 
+# The bf16 ceiling's matmul size where bf16 GEMMs are emulated (no AVX512-BF16 / AMX, or capped by
+# TOKENMILL_CPU_ISA): at ~0.3-35 GFLOP/s a 2048 one took a minute a call, four calls a benchmark.
+EMULATED_BF16_SIZE = 256
+
+
+def fast_gemm_dtype() -> str:
+    """The dtype of fast mode's dense prompt GEMMs here ("bf16" where native, else "fp32"): the
+    ceiling a fast-mode prompt is compared with."""
+    from tokenmill.model.kernels import cpu_isa
+
+    return "bf16" if cpu_isa.bf16_gemm_native() else "fp32"
+
+
 def matmul_ceilings(threads: int, size: int = 2048, seconds: float = 0.5) -> dict[str, float]:
-    """Best GFLOP/s of a square fp32 and bf16 matmul at `threads` threads.
+    """Best GFLOP/s of a square fp32 and bf16 matmul at `threads` threads (bf16 at EMULATED_BF16_SIZE
+    where this CPU emulates it: a figure for the record, not a ceiling any path runs at).
 
     Best-of rather than mean: the ceiling is what the hardware can do, and other processes on a
     shared machine only ever make a sample slower.
@@ -117,6 +131,8 @@ def matmul_ceilings(threads: int, size: int = 2048, seconds: float = 0.5) -> dic
     torch.set_num_threads(threads)
     result = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if name == "bf16" and fast_gemm_dtype() != "bf16":
+            size = min(size, EMULATED_BF16_SIZE)
         a = torch.randn(size, size).to(dtype)
         b = torch.randn(size, size).to(dtype)
         torch.mm(a, b)  # first call pays oneDNN's kernel selection

@@ -21,6 +21,7 @@ from typing import Any
 
 from tokenmill.bench.common import (
     at_least,
+    fast_gemm_dtype,
     make_workload,
     matmul_ceilings,
     model_flops,
@@ -80,7 +81,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     pp_gflop = flops.run_flops(args.prompt_len, 1, 1) / 1e9  # the layers on every prompt token, lm_head once
     settings = run_settings(threads)  # before the runs: the date and load they started under
     ceilings = matmul_ceilings(threads, args.ceiling_size)
-    ceiling = ceilings["bf16" if args.precision == "fast" else "fp32"]
+    ceiling = ceilings[fast_gemm_dtype() if args.precision == "fast" else "fp32"]
 
     vocab = llm.engine.vocab_size
     if args.warmup:

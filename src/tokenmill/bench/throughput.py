@@ -22,6 +22,7 @@ from tokenmill.bench.common import (
     BenchRequest,
     RunResult,
     at_least,
+    fast_gemm_dtype,
     format_table,
     make_workload,
     matmul_ceilings,
@@ -90,7 +91,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     for _ in range(args.repeats):
         _reset_prefix_cache(llm)  # a repeat must not be served from the previous one's cache
         runs.append(run_tokenmill(llm, workload, per_request))
-    results = {"tokenmill": summarize(runs, flops, ceilings["bf16" if args.precision == "fast" else "fp32"])}
+    results = {"tokenmill": summarize(runs, flops, ceilings[fast_gemm_dtype() if args.precision == "fast" else "fp32"])}
     results["tokenmill"]["per_request"] = per_request
     # Steps, preemptions and prefix-cache hits explain a number; they are cumulative over warm-up and repeats.
     engine_stats = llm.stats()
