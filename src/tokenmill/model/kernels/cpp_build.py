@@ -32,7 +32,11 @@ from tokenmill.cache_root import cache_root
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _BUILD_TIMEOUT_S = 600
-_CXXFLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w"]
+# -fno-trapping-math: no kernel reads floating-point exception flags, and without it GCC does not
+# if-convert a select followed by arithmetic that may trap in an AVX2 loop (no masks there): SiLU's
+# exp stayed scalar in the fused ops' AVX2 variant (6.1 us a 1,536-wide row; 3.2 with the flag, 2.0
+# on AVX-512). It changes which loops vectorise, not what any operation computes.
+_CXXFLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math", "-w"]
 
 
 class LazyExtension:
