@@ -29,6 +29,7 @@ IDS = [int(i) for i in torch.randint(3, VOCAB, (136,), generator=torch.Generator
 # step of 136 rows (an fp32 GEMM from AVX2_DENSE_MIN_ROWS) and of 8 rows (the kernel).
 SCRIPT = """
 import json, sys, torch
+from tokenmill.model.fused_decode import FusedDecodeStack
 from tokenmill.model.kernels import cpu_isa, decode_step, quant_kernel
 from tokenmill.model.layers.quantized_linear import AVX2_DENSE_MIN_ROWS
 from tests.model.test_gguf_mixes import all_logits, engine
@@ -45,6 +46,12 @@ for path in sys.argv[3:]:
     out[path] = {"o_proj": layer.o_proj.describe(), "down": layer.down.describe(),
                  "fused": bool(core.runner.model.fused_decode), "stack_kit": None if stack is None else stack.kit}
     torch.save(logits, path + ".fast.pt")
+decode_step.kit = lambda: decode_step.KITS["vnni"]  # what an AVX2 CPU cannot run
+try:
+    FusedDecodeStack(short.runner.model, short.runner.kv_caches)
+    out["avx512_kit"] = "built"
+except RuntimeError as e:
+    out["avx512_kit"] = str(e)
 json.dump(out, open(sys.argv[2], "w"))
 """
 
@@ -70,6 +77,7 @@ def test_the_cap_leaves_avx2_and_fp32_gemms(avx2_run):
     report, _ = avx2_run
     assert report["kernel"] == "avx2" and report["bf16_native"] is False
     assert report["kit"] == decode_step.KITS["avx2"]
+    assert "AVX512-VNNI kernels do not run on this CPU" in report["avx512_kit"], report["avx512_kit"]
 
 
 @pytest.mark.parametrize("mix", CHECKED)

@@ -119,6 +119,14 @@ def test_bad_slot_or_page_is_an_error(fast_runner):
     assert out.shape == (1, hidden) and torch.isfinite(out).all()
 
 
+def test_a_kit_this_cpu_cannot_run_is_an_error(fast_runner, monkeypatch):
+    runner = fast_runner()
+    monkeypatch.setattr(decode_step, "kit", lambda: 7)
+    with pytest.raises(RuntimeError, match=r"kit must be 0 \(AVX512-VNNI\) or 1 \(AVX2\), not 7"):
+        FusedDecodeStack(runner.model, runner.kv_caches)
+    # an AVX2 CPU asked for the AVX-512 kit: tests/model/test_avx2_path.py
+
+
 def test_prompts_attend_through_the_paged_kernel_as_through_sdpa(fast_runner):
     """Fast mode sends prompt chunks through the paged kernel as runs of rows (and, when few enough,
     through the fused step): the logits of every prompt token, over two chunks of one prompt and a

@@ -11,12 +11,13 @@
 // Every phase is called by every thread of the step's one parallel region and ends with the step's
 // barrier (step_barrier.h) where the next phase reads what this one wrote. The work is split as the
 // unfused ops split it: column blocks for the linears, (row, KV head) items for attention, rows for
-// the elementwise steps; the arithmetic is the kernels' (quant_vnni.h, paged_attention.h,
-// fused_ops.h), in the same order as op by op.
+// the elementwise steps; the arithmetic is the kernels' (quant_vnni.h or quant_avx2.h,
+// paged_attention.h, fused_ops.h), in the same order as op by op.
 //
 // Each phase is a template on the step's kit (decode_kits.h: the AVX512-VNNI or the AVX2 kernels).
 //
-// Needs fused_ops.h, paged_attention.h, quant_vnni.h and quant_avx2.h included first (decode_step.cpp does).
+// Needs fused_ops.h, paged_attention.h, quant_vnni.h and quant_avx2.h included first (decode_step.cpp
+// does).
 
 #include <omp.h>
 #include <torch/custom_class.h>
@@ -75,13 +76,14 @@ struct StackBase : torch::CustomClassHolder {
   StepBarrier barrier;
   int64_t kit = kKitAvx512;  // whose kernels `run` calls (decode_kits.h)
 
-  // The kernels' kit, the head layout, the final norm (whose size is the hidden size) and the caches' format and slot
-  // count (from the first layer's K cache; bind_caches checks every layer's against them).
+  // The kernels' kit, the head layout, the final norm (whose size is the hidden size) and the caches'
+  // format and slot count (from the first layer's K cache; bind_caches checks every layer's against them).
   void bind(int64_t kit_id, const std::vector<at::Tensor>& tensors, const at::Tensor& final_norm_in,
             const at::Tensor& cache0, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double rms_eps,
             double attn_scale) {
     TORCH_CHECK(kit_id == kKitAvx512 || kit_id == kKitAvx2, "kit must be 0 (AVX512-VNNI) or 1 (AVX2), not ", kit_id);
-    TORCH_CHECK(kit_supported(kit_id), "the fused decode step's ", kit_id == kKitAvx2 ? Avx2Kit::kName : Avx512Kit::kName,
+    TORCH_CHECK(kit_supported(kit_id), "the fused decode step's ",
+                kit_id == kKitAvx2 ? Avx2Kit::kName : Avx512Kit::kName,
                 " kernels do not run on this CPU (or TOKENMILL_CPU_ISA does not allow them)");
     kit = kit_id;
     nq = num_heads, nkv = num_kv_heads, hd = head_dim, eps = rms_eps, scale = attn_scale;

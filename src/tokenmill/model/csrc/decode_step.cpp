@@ -194,7 +194,6 @@ struct DecodeStack : tm_step::StackBase {
     const tm_attention::RangeFn attend = Kit::attention(cache_format);
     const float e = static_cast<float>(eps);
     const int64_t L = static_cast<int64_t>(layers.size());
-    const auto silu_mul = Kit::silu_mul;
     tm_step::StepLogs logs(barrier, nt);
 
     const bool row_mode = tm_step::one_row(T, plan);
@@ -221,7 +220,7 @@ struct DecodeStack : tm_step::StackBase {
           Kit::add_rms_norm(xp, s.delta, l.post_norm, hidden, e, s.h, w.r0, w.r1);
           tm_step::quantize_phase<Kit>(s.h, hidden, s.a_hidden, w);
           if (l.moe < 0) {
-            tm_step::mlp_phase<Kit>(*this, s, l.gate_up, l.down, T, w, silu_mul);
+            tm_step::mlp_phase<Kit>(*this, s, l.gate_up, l.down, T, w, Kit::silu_mul);
           } else {
             tm_moe::ffn<Kit>(moe_blocks[l.moe], moe_scratch, s.h, s.a_hidden, hidden, s.delta, w.tid, w.team);
             w.sync();
@@ -293,14 +292,16 @@ torch::class_<Stack>& with_barrier(torch::class_<Stack>& c) {
 
 TORCH_LIBRARY(tokenmill_step, m) {
   auto llama = m.class_<DecodeStack>("DecodeStack");
-  llama.def(torch::init<int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
+  llama.def(torch::init<int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<at::Tensor>,
                        std::vector<at::Tensor>,
                        at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("set_moe", &DecodeStack::set_moe)
       .def("run", &DecodeStack::run);
   with_barrier(llama);
   auto gemma = m.class_<GemmaDecodeStack>("GemmaDecodeStack");
-  gemma.def(torch::init<int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
+  gemma.def(torch::init<int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<at::Tensor>,
                        std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, std::vector<int64_t>, int64_t,
                        int64_t, int64_t, double, double, double>())
       .def("run", &GemmaDecodeStack::run);

@@ -100,8 +100,9 @@ struct GemmaDecodeStack : tm_step::StackBase {
   std::vector<GemmaLayer> layers;
   double softcap = 0;
 
-  GemmaDecodeStack(int64_t kit_id, std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<int64_t> parts,
-                   std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor final_norm_in,
+  GemmaDecodeStack(int64_t kit_id, std::vector<at::Tensor> tensors, std::vector<int64_t> formats,
+                   std::vector<int64_t> parts, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                   at::Tensor final_norm_in,
                    std::vector<int64_t> windows, std::vector<int64_t> ropes, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, double rms_eps, double attn_scale, double attn_softcap) {
     const int64_t L = static_cast<int64_t>(k_caches.size());
@@ -160,7 +161,9 @@ struct GemmaDecodeStack : tm_step::StackBase {
   at::Tensor run(at::Tensor x, std::vector<at::Tensor> cos_in, std::vector<at::Tensor> sin_in,
                  std::vector<at::Tensor> slots_in, std::vector<at::Tensor> tables_in, at::Tensor lens_in,
                  int64_t page_size) {
-    return tm_step::with_kit(kit, [&]<class Kit>() { return run_with<Kit>(x, cos_in, sin_in, slots_in, tables_in, lens_in, page_size); });
+    return tm_step::with_kit(kit, [&]<class Kit>() {
+      return run_with<Kit>(x, cos_in, sin_in, slots_in, tables_in, lens_in, page_size);
+    });
   }
 
   template <class Kit>
@@ -323,8 +326,8 @@ struct GemmaDecodeStack : tm_step::StackBase {
         if (early == nullptr) Rows::rms_norm_inplace(r.qk + nq * hd, nkv, hd, hd, l.k_norm, e);
         qk = r.qk;
       }
-      tm_step::row_attention_phase<Kit>(*this, s, r, qk, c, sn, layer_slots[i][0], layer_args[i], attend, *layer_plans[i],
-                                   early != nullptr, w);
+      tm_step::row_attention_phase<Kit>(*this, s, r, qk, c, sn, layer_slots[i][0], layer_args[i], attend,
+                                        *layer_plans[i], early != nullptr, w);
       tm_step::linear_phase<Kit>(l.o, r.a_attn, r.rows, s.delta, w);
       add_delta(l.norms[1], l.norms[2]);
       Kit::quantize_rows(r.h, hidden, 0, r.rows, r.a_hidden);

@@ -237,12 +237,14 @@ inline void ffn(const Block& b, Scratch& s, const float* h, const tm_vnni::Acts&
   Route& route = private_route ? mine.route : s.route;
   if (private_route) {
     route.resize(T, s.E, s.k);
-    for (int64_t i = 0; i < T * E; ++i) route.logits[i] = Kit::dot(h + (i / E) * hidden, b.router + (i % E) * hidden, hidden);
+    for (int64_t i = 0; i < T * E; ++i)
+      route.logits[i] = Kit::dot(h + (i / E) * hidden, b.router + (i % E) * hidden, hidden);
     plan(b, T, route);
   } else {
     int64_t p0, p1;
     share_of(T * E, tid, nt, p0, p1);
-    for (int64_t i = p0; i < p1; ++i) route.logits[i] = Kit::dot(h + (i / E) * hidden, b.router + (i % E) * hidden, hidden);
+    for (int64_t i = p0; i < p1; ++i)
+      route.logits[i] = Kit::dot(h + (i / E) * hidden, b.router + (i % E) * hidden, hidden);
 #pragma omp barrier
 #pragma omp single
     plan(b, T, route);
