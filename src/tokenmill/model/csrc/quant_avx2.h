@@ -275,7 +275,8 @@ TA_TARGET void round_rows(const float* x, int64_t K, int64_t m0, int64_t m1, con
 }
 
 // ---------------------------------------------------------------------------------------------
-// The product: codes widened to int16 (a quad's 8 columns x 4 inputs: two vectors of 4 columns),
+// The product: codes widened to int16 (a quad's 8 columns x 4 inputs: two vectors of 4 columns,
+// unpacked within 128-bit lanes so that no lane crosses: the column sums come out in order),
 // times the row's merged int16 activations of the quad's 4 inputs (broadcast), vpmaddwd into int32
 // lanes of (column, input pair), added across the sub-block's quads; both pairs of a column summed
 // at the end (vphaddd). The int32 sum is the merged 256 D1 + D2 of quant_vnni.h (|x16| <= 32639,
@@ -328,9 +329,9 @@ TA_TARGET void tile(const Weights& w, const tm_vnni::Acts& a, int64_t N, int64_t
       for (int j = h * kQuads; j < (h + 1) * kQuads; ++j) {
         __m256i c[H][2];
 #pragma GCC unroll 2
-        for (int hf = 0; hf < H; ++hf) {
-          c[hf][0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q[hf][j]));
-          c[hf][1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[hf][j], 1));
+        for (int hf = 0; hf < H; ++hf) {  // within 128-bit lanes: columns 0, 1 | 4, 5 and 2, 3 | 6, 7
+          c[hf][0] = _mm256_unpacklo_epi8(q[hf][j], _mm256_setzero_si256());
+          c[hf][1] = _mm256_unpackhi_epi8(q[hf][j], _mm256_setzero_si256());
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -351,8 +352,8 @@ TA_TARGET void tile(const Weights& w, const tm_vnni::Acts& a, int64_t N, int64_t
         const float xs = kSubs == 1 ? a.qsum[at + r] : a.hqsum[(at + r) * 2 + h];
 #pragma GCC unroll 2
         for (int hf = 0; hf < H; ++hf) {
-          // lanes (c0 c1 c4 c5 | c2 c3 c6 c7) -> columns in order
-          const __m256i pairs = _mm256_permute4x64_epi64(_mm256_hadd_epi32(d[r][hf][0], d[r][hf][1]), 0xD8);
+          // (c0 c0 c1 c1 | c4 c4 c5 c5) and (c2 c2 c3 c3 | c6 c6 c7 c7): the pair sums in column order
+          const __m256i pairs = _mm256_hadd_epi32(d[r][hf][0], d[r][hf][1]);
           const __m256i mrg = _mm256_add_epi32(pairs, start);
           acc[r][hf] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(mrg), dxr), sc[hf][h], acc[r][hf]);
           if (has_min) acc[r][hf] = _mm256_fmadd_ps(mn[hf][h], _mm256_set1_ps(xs), acc[r][hf]);
