@@ -125,5 +125,5 @@ def test_heap_trimmer_trims_each_interval_under_steady_load(monkeypatch):
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_malloc_trim_is_found_in_glibc():
-    assert memory_trim._malloc_trim is not None
+    assert memory_trim._glibc is not None
     memory_trim.malloc_trim()  # through ctypes, with the size_t argument declared

@@ -95,6 +95,9 @@ def test_relayout_is_lossless(kernel, kind):
     ids = torch.arange(48)
     assert torch.equal(quant_kernel.blocked_rows(bw, ids), ref)  # gguf-py's fp32 values, bit for bit
     assert torch.equal(quant_kernel.blocked_dequantize_bf16(bw), ref.bfloat16())
+    # The same values written into the thread's reused weight scratch (prompt GEMMs), in both dtypes.
+    assert torch.equal(quant_kernel.blocked_dense_scratch(bw, torch.bfloat16), ref.bfloat16())
+    assert torch.equal(quant_kernel.blocked_dense_scratch(bw, torch.float32), ref)
     # Memory stays the file's: 6-bit sub-block scales become bytes (Q3_K +4/110, Q4_K +4/144), nothing
     # else grows, except Q4_0, which keeps today's numbers: its -8 d as an fp16 min (+2/18).
     assert file_bytes <= bw.nbytes <= (1.12 if kind == "Q4_0" else 1.04) * file_bytes

@@ -14,7 +14,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.kv_offload import PageIO, build_offload
-from tokenmill.engine.memory_trim import malloc_trim
+from tokenmill.engine.memory_trim import keep_step_memory, malloc_trim
 from tokenmill.errors import InvalidRequest
 from tokenmill.model.builder import build_model
 from tokenmill.model.pooling import declared_pooling
@@ -43,6 +43,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     # as freed heap that glibc keeps: ~530 MB on a 964 MB MoE file of 1,500 expert matrices
     # (docs/benchmarks.md, "Mixture of experts"). Give it back once, ~20 ms.
     malloc_trim()
+    keep_step_memory()  # from here on, what a step frees stays for the next one (memory_trim.py)
     mc, model = built.config, built.runner.model
     pooling = declared_pooling(built.source) or "last"  # for embedding requests
     core = EngineCore(config, runner, mc.vocab_size, mc.eos_token_ids, built.max_model_len, pooling_type=pooling)

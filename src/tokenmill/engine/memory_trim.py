@@ -6,9 +6,12 @@ small and medium CPU allocations that glibc malloc serves from its heap and aren
 stretch the freed space stays resident until something trims it. `HeapTrimmer` calls
 `malloc_trim(0)` (which also gives back free pages inside the heap, not only at its top) each time
 the engine goes from busy to idle, so a burst's memory returns when it ends, and once a minute while
-it stays busy, so steady load cannot pile up free holes either (~20 ms a trim). No malloc
-environment (arena count, fixed mmap/trim thresholds) is set: nothing measured showed it would help
-(docs/benchmarks.md, "Memory under load", also for a jemalloc run).
+it stays busy, so steady load cannot pile up free holes either (~20 ms a trim). Each trim also drops
+every thread's reusable weight copy for prompt GEMMs (model/kernels/weight_scratch.py): a large step
+after it faults it in once more (~0.3 ms a MB, once a minute at most under load). Between trims a
+process that runs steps keeps what a step frees for the next one (`keep_step_memory`: fixed mmap and
+trim thresholds, measured in page faults); no other malloc setting (arenas, another allocator)
+measured as helping (docs/benchmarks.md, "Memory under load", also for a jemalloc run).
 
 The KV pool is allocated with torch.empty: its pages become resident as they are first written
 (and the prefix cache keeps them), so a process's RSS grows with KV use alone. With
@@ -28,6 +31,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from tokenmill.model.kernels import weight_scratch
+
 logger = logging.getLogger(__name__)
 
 KV_POOL_DIR_ENV = "TOKENMILL_KV_POOL_DIR"
@@ -37,24 +42,48 @@ MIN_TRIM_INTERVAL_S = 5.0
 BUSY_TRIM_INTERVAL_S = 60.0
 
 
-def _load_malloc_trim() -> Any:
+def _load_glibc() -> Any:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim or tune
         return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return fn
+    return libc
 
 
-_malloc_trim = _load_malloc_trim()
+_glibc = _load_glibc()
+
+# mallopt's parameters (malloc.h) and the values a step-running process sets (keep_step_memory).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+STEP_MMAP_THRESHOLD = 32 << 20  # glibc's largest: bigger blocks are always mapped on their own
+STEP_TRIM_THRESHOLD = 128 << 20
 
 
 def malloc_trim() -> bool:
     """Return freed heap (all arenas) to the OS; False where glibc is not the allocator."""
-    return bool(_malloc_trim is not None and _malloc_trim(0))
+    return bool(_glibc is not None and _glibc.malloc_trim(0))
+
+
+def keep_step_memory() -> bool:
+    """Keep the memory a step frees for the next step, instead of handing it to the OS at each free.
+
+    glibc maps blocks above a threshold on their own and unmaps them on free, and gives back the
+    heap's free top above another; both move with what the process frees, so a step's temporaries
+    (GEMM outputs, activations, a prompt chunk's scratch) kept crossing them and every step faulted
+    thousands of pages back in, ~1.3 us each on this VM: 3-9 thousand a 512-token prompt of the
+    bundled model, ~4-7 % of it (docs/benchmarks.md, "A prompt's weight copies"). Fixed thresholds
+    (blocks up to 32 MB from the heap, up to 128 MB of free top kept) make the second step reuse the
+    first one's pages; `HeapTrimmer` still gives them back when the engine idles, and once a minute.
+    Called once the model is loaded (the load's transient copies keep glibc's defaults). False where
+    glibc is not the allocator."""
+    if _glibc is None:
+        return False
+    return bool(_glibc.mallopt(M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD)
+                and _glibc.mallopt(M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD))
 
 
 class HeapTrimmer:
@@ -86,6 +115,7 @@ class HeapTrimmer:
     def _trim(self, now: float) -> None:
         self._last = now
         self.trims += 1
+        weight_scratch.release()  # the prompt GEMMs' weight copy: faulted in again by the next large step
         malloc_trim()
 
 

@@ -16,6 +16,7 @@ import threading
 import time
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.memory_trim import keep_step_memory
 from tokenmill.ipc.lifecycle import child_process_setup, parent_alive
 from tokenmill.model.builder import build_model
 from tokenmill.parallel.launch import rank_config, set_rank_threads
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                         config.max_model_len, config.num_pages, config.page_size, TensorParallelShard(group),
                         kv_cache_dtype=config.kv_cache_dtype, hybrid_kv=config.hybrid_kv_cache,
                         prompt_gemm=config.prompt_gemm, kv_cache_memory_bytes=config.kv_cache_memory_bytes)
+    keep_step_memory()  # what a step frees stays for the next one (engine/memory_trim.py)
     try:
         steps = serve_steps(built.runner, group)
     except RuntimeError as exc:  # rank 0 went away mid-collective (the engine process died)

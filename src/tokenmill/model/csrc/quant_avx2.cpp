@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "blocked_ops.h"
+#include "dense_out.h"
 #include "quant_avx2.h"
 
 #include <algorithm>
@@ -79,15 +80,27 @@ TA_TARGET void dequantize_blocks(const Weights& w, int64_t K, int64_t nb0, int64
 }
 
 // The whole weight as fp32 [N, K]: gguf-py's values (a prompt step's GEMM on CPUs without a native bf16 one).
-at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& subs,
-                      int64_t fmt, int64_t N, int64_t K) {
-  const Weights w = checked(codes, scales, mins, subs, fmt, N, K);
-  at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kFloat));
+void dequantize_to(const Weights& w, int64_t N, int64_t K, at::Tensor& out) {
   float* o = out.data_ptr<float>();
   with_decoder(w.fmt, [&]<class D>() {
     at::parallel_for(0, N / kCols, 1, [&](int64_t b0, int64_t b1) { dequantize_blocks<D>(w, K, b0, b1, o); });
   });
+}
+
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& subs,
+                      int64_t fmt, int64_t N, int64_t K) {
+  const Weights w = checked(codes, scales, mins, subs, fmt, N, K);
+  at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kFloat));
+  dequantize_to(w, N, K, out);
   return out;
+}
+
+// The same into the caller's contiguous fp32 [N, K] buffer (a reused scratch, dense_out.h).
+void dequantize_into(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                     const at::Tensor& subs, int64_t fmt, int64_t N, int64_t K) {
+  const Weights w = checked(codes, scales, mins, subs, fmt, N, K);
+  tm_dense::check_dense_out(out, N, K, at::kFloat);
+  dequantize_to(w, N, K, out);
 }
 
 template <class D>
@@ -123,6 +136,8 @@ TORCH_LIBRARY(tokenmill_avx2, m) {
   m.def("linear_parts(Tensor x, Tensor[] weights, int[] fmts, int[] Ns, int terms=2) -> Tensor", &linear_parts);
   m.def("dequantize(Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int K) -> Tensor",
         &dequantize);
+  m.def("dequantize_into(Tensor(a!) out, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, "
+        "int K) -> ()", &dequantize_into);
   m.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int K, Tensor ids) "
         "-> Tensor", &dequantize_rows);
   m.def("supported() -> bool", &supported);

@@ -30,6 +30,7 @@
 #include <immintrin.h>
 
 #include "cpu_isa_cap.h"
+#include "dense_out.h"
 #include "quant_bf16.h"
 
 #include <algorithm>
@@ -328,13 +329,15 @@ TQ_AVX512 void dequantize_avx512(const Args& a, int64_t n0, int64_t n1, void* ou
 
 // The weights as a dense matrix [N, K] of `dtype` (float32 or bfloat16): the exact values scale *
 // code + min, rounded once to the output type.
+// `into`: the caller's contiguous [N, K] buffer of `dtype` (a reused scratch, dense_out.h), else a new one.
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
-                      int64_t K, at::ScalarType dtype) {
+                      int64_t K, at::ScalarType dtype, const at::Tensor* into = nullptr) {
   const int64_t N = codes.size(0);
   check_weights(codes, scales, mins, bits, N, K);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16 only");
+  if (into != nullptr) tm_dense::check_dense_out(*into, N, K, dtype);
   if (selected_isa(-1) >= kAvx512) {
-    at::Tensor fast = at::empty({N, K}, codes.options().dtype(dtype));
+    at::Tensor fast = into != nullptr ? *into : at::empty({N, K}, codes.options().dtype(dtype));
     Args a{};
     a.codes = static_cast<const uint8_t*>(codes.data_ptr());
     a.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr());
@@ -374,12 +377,18 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const a
       }
     }
   });
+  if (into != nullptr) return into->copy_(out);
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
 at::Tensor dequantize_op(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
                          int64_t K, bool bf16) {
   return dequantize(codes, scales, mins, bits, K, bf16 ? at::kBFloat16 : at::kFloat);
+}
+
+void dequantize_into_op(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                        int64_t bits, int64_t K) {
+  dequantize(codes, scales, mins, bits, K, out.scalar_type(), &out);
 }
 
 int64_t best_isa() { return static_cast<int64_t>(selected_isa(-1)); }
@@ -390,5 +399,7 @@ TORCH_LIBRARY(tokenmill_quant, m) {
   m.def("linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits, int isa=-1) -> Tensor", &quant_linear);
   m.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int bits, int K, bool bf16=False) -> Tensor",
         &dequantize_op);
+  m.def("dequantize_into(Tensor(a!) out, Tensor codes, Tensor scales, Tensor mins, int bits, int K) -> ()",
+        &dequantize_into_op);
   m.def("best_isa() -> int", &best_isa);
 }

@@ -1,6 +1,7 @@
 // The VNNI quantized-linear ops (the kernel: quant_vnni.h; the formats: quant_blocks.h).
 
 #include "blocked_ops.h"
+#include "dense_out.h"
 #include "quant_bf16.h"
 #include "quant_vnni.h"
 
@@ -135,15 +136,27 @@ TV_TARGET void dequantize_blocks(const Weights& w, int64_t K, int64_t nb0, int64
   }
 }
 
-at::Tensor dequantize_bf16(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                           const at::Tensor& subs, int64_t fmt, int64_t N, int64_t K) {
-  const Weights w = check(codes, scales, mins, subs, fmt, N, K);
-  at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kBFloat16));
+void dequantize_bf16_to(const Weights& w, int64_t N, int64_t K, at::Tensor& out) {
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   with_decoder(w.fmt, [&]<class D>() {
     at::parallel_for(0, N / kCols, 1, [&](int64_t b0, int64_t b1) { dequantize_blocks<D>(w, K, b0, b1, o); });
   });
+}
+
+at::Tensor dequantize_bf16(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                           const at::Tensor& subs, int64_t fmt, int64_t N, int64_t K) {
+  const Weights w = check(codes, scales, mins, subs, fmt, N, K);
+  at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kBFloat16));
+  dequantize_bf16_to(w, N, K, out);
   return out;
+}
+
+// The same into the caller's contiguous bf16 [N, K] buffer (a reused scratch, dense_out.h).
+void dequantize_bf16_into(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                          const at::Tensor& subs, int64_t fmt, int64_t N, int64_t K) {
+  const Weights w = check(codes, scales, mins, subs, fmt, N, K);
+  tm_dense::check_dense_out(out, N, K, at::kBFloat16);
+  dequantize_bf16_to(w, N, K, out);
 }
 
 template <class D>
@@ -185,5 +198,7 @@ TORCH_LIBRARY(tokenmill_vnni, m) {
         "-> Tensor", &dequantize_rows);
   m.def("dequantize_bf16(Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int K) -> Tensor",
         &dequantize_bf16);
+  m.def("dequantize_bf16_into(Tensor(a!) out, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, "
+        "int K) -> ()", &dequantize_bf16_into);
   m.def("supported() -> bool", &supported);
 }

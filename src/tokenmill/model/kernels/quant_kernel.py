@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from tokenmill.model.kernels import weight_scratch
 from tokenmill.model.kernels.cpp_build import LazyExtension
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight
 
@@ -91,6 +92,20 @@ def blocked_dequantize_fp32(w: BlockedWeight) -> torch.Tensor:
     return blocked_rows(w, torch.arange(w.shape[0]))
 
 
+def blocked_dense_scratch(w: BlockedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """`w` as a dense [N, K] matrix of `dtype` (bf16 or fp32: the values of blocked_dequantize_*) in this
+    thread's weight scratch (weight_scratch.py): valid until the thread's next scratch copy, for a GEMM
+    that reads it right away."""
+    out = weight_scratch.take(w.shape[0], w.shape[1], dtype)
+    if dtype == torch.bfloat16 and blocked_kernel() == "vnni":
+        torch.ops.tokenmill_vnni.dequantize_bf16_into(out, *blocked_args(w), w.shape[1])
+    elif dtype == torch.float32 and blocked_kernel() == "avx2":
+        torch.ops.tokenmill_avx2.dequantize_into(out, *blocked_args(w), w.shape[1])
+    else:  # the rarer pairs (AVX2 forced to bf16; fp32 on VNNI): as the allocating ops do it
+        out.copy_(blocked_dequantize_bf16(w) if dtype == torch.bfloat16 else blocked_dequantize_fp32(w))
+    return out
+
+
 def blocked_rows(w: BlockedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` as fp32 [T, K], gguf-py's values exactly (embedding lookups)."""
     return _blocked_ops().dequantize_rows(*blocked_args(w), w.shape[1], ids)
@@ -110,6 +125,13 @@ def linear(x: torch.Tensor, w: QuantizedWeight, isa: int = -1) -> torch.Tensor:
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     mins = or_empty(w.mins)
     return torch.ops.tokenmill_quant.dequantize(w.codes, w.scales, mins, w.bits, w.shape[1], dtype == torch.bfloat16)
+
+
+def dense_scratch(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`dequantize(w, dtype)` in this thread's weight scratch (see blocked_dense_scratch)."""
+    out = weight_scratch.take(w.shape[0], w.shape[1], dtype)
+    torch.ops.tokenmill_quant.dequantize_into(out, w.codes, w.scales, or_empty(w.mins), w.bits, w.shape[1])
+    return out
 
 
 def best_isa() -> int:

@@ -90,9 +90,9 @@ class QuantizedLinear:
             if x.shape[0] < self._gemm_rows:  # with a bias
                 out = self._blocked(x)
             elif self.prompt_gemm == "fp32":
-                out = F.linear(x.float(), quant_kernel.blocked_dequantize_fp32(self.weight))
+                out = F.linear(x.float(), quant_kernel.blocked_dense_scratch(self.weight, torch.float32))
             else:
-                out = F.linear(x.to(torch.bfloat16), quant_kernel.blocked_dequantize_bf16(self.weight))
+                out = F.linear(x.to(torch.bfloat16), quant_kernel.blocked_dense_scratch(self.weight, torch.bfloat16))
                 # bf16 in, bf16 out: the caller's fused ops read and write bf16 (no conversion passes)
                 if x.dtype == torch.bfloat16 and self.bias is None:
                     return out
@@ -101,7 +101,7 @@ class QuantizedLinear:
             out = quant_kernel.linear(x, self.weight)
         else:
             dtype = torch.bfloat16 if cpu_isa.bf16_gemm_native() else torch.float32
-            w = quant_kernel.dequantize(self.weight, dtype) if self.kernel else self.weight.dequantize(dtype)
+            w = quant_kernel.dense_scratch(self.weight, dtype) if self.kernel else self.weight.dequantize(dtype)
             out = F.linear(x.to(dtype), w).float()
         return out if self.bias is None else out.add_(self.bias)
 
