@@ -1,13 +1,16 @@
-"""`tokenmill bench make-low-bit`: a random-weight llama GGUF of a realistic shape in Q1_0 or Q2_0.
+"""`tokenmill bench make-low-bit`: a random-weight llama GGUF of a realistic shape in Q1_0, Q2_0 or Q4_K.
 
 1-bit models ship as GGUFs whose matrices are ggml's Q1_0 (one fp16 d per 128 weights, a bit each),
-and no such file is on the registries this project may use. The way `make-moe` makes its file (an
-fp32 model from transformers, converted, then quantized) would need 32 GB for an 8B shape, so this
-writes the blocks directly: random bits / crumbs with one d per block, the embedding and the output
-in Q8_0 as llama-quantize keeps them for these types, and the bundled SmolLM2's tokenizer (49,152
-tokens) and chat template, so that llama.cpp loads the same file and the chat endpoints serve it. Random weights make the numbers fair for speed, never
-for quality. The default shape is Llama 3 8B's without its vocabulary (hidden 4096, 32 layers, 14,336
-wide MLP, 32 heads / 8 KV heads): ~6.98B parameters in the layers, ~1.2 GB as Q1_0.
+and no such file is on the registries this project may use; nor is a Q4_K_M of a model of that size,
+the file llama.cpp users run most. The way `make-moe` makes its file (an fp32 model from transformers,
+converted, then quantized) would need 32 GB for an 8B shape, so this writes the blocks directly:
+random codes (Q4_K: and sub-block scales) with the blocks' fp16 numbers set, the embedding and the
+output in Q8_0 as llama-quantize keeps them for the low-bit types, and the bundled SmolLM2's tokenizer
+(49,152 tokens) and chat template, so that llama.cpp loads the same file and the chat endpoints serve
+it. Random weights make the numbers fair for speed, never for quality. The default shape is Llama 3
+8B's without its vocabulary (hidden 4096, 32 layers, 14,336 wide MLP, 32 heads / 8 KV heads): ~6.98B
+parameters in the layers, ~1.2 GB as Q1_0, ~4.4 GB as Q4_K (every layer matrix Q4_K: a Q4_K_M's
+main type, without its Q6_K share).
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ import numpy as np
 
 from tokenmill.model.quant_formats import format_of
 
-# (type, fp16 d of the layers' blocks): the weights' spread stays ~0.02, an initialised model's.
-_LAYER_D = {"Q1_0": 0.02, "Q2_0": 0.015}
+# The fp16 numbers that open each of the layers' blocks (d; Q4_K: d, then dmin), so that the weights'
+# spread stays ~0.01-0.02 around 0, an initialised model's (Q4_K: d x a 6-bit scale x a 4-bit code
+# less dmin x a 6-bit min).
+_LAYER_D = {"Q1_0": (0.02,), "Q2_0": (0.015,), "Q4_K": (4e-5, 3e-4)}
 _OUTPUT_TYPE = "Q8_0"
 
 
 def add_make_low_bit_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("make-low-bit", help="write a random-weight Q1_0 / Q2_0 llama GGUF of a realistic shape",
+    p = subparsers.add_parser("make-low-bit", help="write a random-weight Q1_0 / Q2_0 / Q4_K llama GGUF of a realistic shape",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the GGUF file to write")
     p.add_argument("--type", choices=sorted(_LAYER_D), default="Q1_0")
@@ -39,13 +44,14 @@ def add_make_low_bit_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_make_low_bit)
 
 
-def random_blocks(kind: str, n: int, k: int, d: float, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [n, row bytes]: random codes, every block's fp16 d (its first two bytes) set to `d`."""
+def random_blocks(kind: str, n: int, k: int, d: tuple[float, ...], rng: np.random.Generator) -> np.ndarray:
+    """uint8 [n, row bytes]: random codes (and sub-block scales), every block's leading fp16 numbers
+    (d; Q4_K: d and dmin) set to `d`: random bytes there could be inf or NaN."""
     fmt = format_of(kind)
     if k % fmt.block_elems:
         raise ValueError(f"rows of {k} weights are not whole {kind} blocks of {fmt.block_elems}")
     blocks = rng.integers(0, 256, size=(n * k // fmt.block_elems, fmt.block_bytes), dtype=np.uint8)
-    blocks[:, 0:2] = np.full((len(blocks), 1), d, np.float16).view(np.uint8)
+    blocks[:, 0 : 2 * len(d)] = np.tile(np.array(d, np.float16).view(np.uint8), (len(blocks), 1))
     return blocks.reshape(n, -1)
 
 
@@ -100,8 +106,8 @@ def run_make_low_bit(args: argparse.Namespace) -> int:
         data = random_blocks(kind, n, k, d, rng)
         writer.add_tensor(name, data.view(np.int8), raw_shape=(n, k), raw_dtype=format_of(kind).type_id)
 
-    matrix("token_embd.weight", _OUTPUT_TYPE, vocab, h, 0.0005)
-    matrix("output.weight", _OUTPUT_TYPE, vocab, h, 0.0005)
+    matrix("token_embd.weight", _OUTPUT_TYPE, vocab, h, (0.0005,))
+    matrix("output.weight", _OUTPUT_TYPE, vocab, h, (0.0005,))
     writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
     kv = head_dim * args.kv_heads
     d = _LAYER_D[args.type]
@@ -111,7 +117,7 @@ def run_make_low_bit(args: argparse.Namespace) -> int:
         writer.add_tensor(p + "ffn_norm.weight", np.ones(h, np.float32))
         for name, (n, k) in {"attn_q": (h, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, h),
                              "ffn_gate": (ff, h), "ffn_up": (ff, h), "ffn_down": (h, ff)}.items():
-            matrix(p + name + ".weight", args.type, n, k, d * (0.6 if name == "ffn_down" else 1.0))
+            matrix(p + name + ".weight", args.type, n, k, tuple(x * (0.6 if name == "ffn_down" else 1.0) for x in d))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
