@@ -12,12 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.engine.fake_runner import make_engine, run_to_completion
 from tests.model.test_block_decoders import weight
 from tokenmill.engine import memory_trim
-from tokenmill.engine.memory_trim import HeapTrimmer
 from tokenmill.model.kernels import quant_kernel, weight_scratch
 from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS, QuantizedLinear
 from tokenmill.model.quant import quantize_int4
+from tokenmill.sample.sampling_params import SamplingParams
 
 
 @pytest.fixture(autouse=True)
@@ -100,13 +101,22 @@ def test_a_wrong_buffer_is_a_named_error():
         into(torch.empty(512, 64, dtype=right).t(), *args, 512)
 
 
-def test_a_trim_also_drops_the_weight_scratch(monkeypatch):
-    monkeypatch.setattr(memory_trim, "malloc_trim", lambda: True)
-    weight_scratch.take(64, 64, torch.float32)
-    trimmer = HeapTrimmer(clock=lambda: 0.0)
-    trimmer.update(True)
-    trimmer.update(False)  # busy -> idle: a trim
-    assert trimmer.trims == 1 and weight_scratch.held_bytes() == 0
+def test_the_engine_drops_the_scratch_when_its_last_request_finishes():
+    engine, runner = make_engine()
+    real = runner.execute
+    held = []
+
+    def execute(chunks):  # a large step's layers: the weight copy is taken during the step
+        weight_scratch.take(64, 64, torch.bfloat16)
+        held.append(weight_scratch.held_bytes())
+        return real(chunks)
+
+    runner.execute = execute
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=6, temperature=0))
+    run_to_completion(engine)
+    assert len(held) == 6 and all(h == 64 * 64 * 2 for h in held)  # kept while requests ran
+    assert weight_scratch.held_bytes() == 0  # and dropped once none is left
 
 
 # A fresh process frees and allocates the same 24 MB block twice: with glibc's defaults the first

@@ -6,9 +6,7 @@ small and medium CPU allocations that glibc malloc serves from its heap and aren
 stretch the freed space stays resident until something trims it. `HeapTrimmer` calls
 `malloc_trim(0)` (which also gives back free pages inside the heap, not only at its top) each time
 the engine goes from busy to idle, so a burst's memory returns when it ends, and once a minute while
-it stays busy, so steady load cannot pile up free holes either (~20 ms a trim). Each trim also drops
-every thread's reusable weight copy for prompt GEMMs (model/kernels/weight_scratch.py): a large step
-after it faults it in once more (~0.3 ms a MB, once a minute at most under load). Between trims a
+it stays busy, so steady load cannot pile up free holes either (~20 ms a trim). Between trims a
 process that runs steps keeps what a step frees for the next one (`keep_step_memory`: fixed mmap and
 trim thresholds, measured in page faults); no other malloc setting (arenas, another allocator)
 measured as helping (docs/benchmarks.md, "Memory under load", also for a jemalloc run).
@@ -30,8 +28,6 @@ import os
 import time
 from collections.abc import Iterable
 from typing import Any
-
-from tokenmill.model.kernels import weight_scratch
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +111,6 @@ class HeapTrimmer:
     def _trim(self, now: float) -> None:
         self._last = now
         self.trims += 1
-        weight_scratch.release()  # the prompt GEMMs' weight copy: faulted in again by the next large step
         malloc_trim()
 
 

@@ -8,8 +8,9 @@ in one 256-token prompt, 4.4 s of its 9.8 (docs/benchmarks.md, "A prompt's weigh
 kept by the thread is faulted in once; each step writes over it.
 
 The buffer grows to the largest weight asked for (a gate/up pair on most models) and stays until
-`release()`, which the server calls when it gives freed memory back (engine/memory_trim.py); a view
-handed out stays valid while it is referenced, so a release never pulls memory from under a GEMM.
+`release()`, which the engine calls whenever its last request has finished (engine/engine_core.py):
+it lives while requests run. A view handed out stays valid while it is referenced, so a release never
+pulls memory from under a GEMM.
 Only the caller that consumes the copy before its thread asks for another may take it: a layer's
 prompt GEMM, never a weight kept for later.
 """
