@@ -71,11 +71,11 @@ def keep_step_memory() -> bool:
     heap's free top above another; both move with what the process frees, so a step's temporaries
     (GEMM outputs, activations, a prompt chunk's scratch) kept crossing them and every step faulted
     thousands of pages back in, ~1.3 us each on this VM: 3-9 thousand a 512-token prompt of the
-    bundled model, ~4-7 % of it (docs/benchmarks.md, "A prompt's weight copies"). Fixed thresholds
+    bundled model, ~2-7 % of it (docs/benchmarks.md, "A prompt's weight copies"). Fixed thresholds
     (blocks up to 32 MB from the heap, up to 128 MB of free top kept) make the second step reuse the
     first one's pages; `HeapTrimmer` still gives them back when the engine idles, and once a minute.
-    Called once the model is loaded (the load's transient copies keep glibc's defaults). False where
-    glibc is not the allocator."""
+    Called once a model is loaded (a process's first load keeps glibc's defaults; every load ends with a
+    malloc_trim). False where glibc is not the allocator."""
     if _glibc is None:
         return False
     return bool(_glibc.mallopt(M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD)
