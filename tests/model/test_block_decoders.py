@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.model.conftest import BLOCKED_KERNELS
+from tokenmill.model import blocked_formats
 from tokenmill.model.kernels import cpu_isa, quant_kernel
 from tokenmill.model.layers.quantized_linear import (
     AVX2_DENSE_MIN_ROWS,
@@ -101,6 +102,25 @@ def test_relayout_is_lossless(kernel, kind):
     # Memory stays the file's: 6-bit sub-block scales become bytes (Q3_K +4/110, Q4_K +4/144), nothing
     # else grows, except Q4_0, which keeps today's numbers: its -8 d as an fp16 min (+2/18).
     assert file_bytes <= bw.nbytes <= (1.12 if kind == "Q4_0" else 1.04) * file_bytes
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q2_0"])
+def test_a_weight_converted_in_chunks_by_threads_is_the_weight_converted_whole(kind, monkeypatch):
+    # Q8_0 goes through the row layout first (quant.to_blocked_gguf), the others blocked_from_file;
+    # 16 rows a chunk: 7 chunks, all but the first converted side by side and placed by row.
+    k = width(kind, 160, 512)
+    raw = torch.from_numpy(random_blocks(kind, 112, k, seed=3))
+    whole = to_blocked_gguf(kind, raw, (112, k))
+    monkeypatch.setattr(blocked_formats, "CHUNK_WEIGHTS", 16 * k)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        chunked = to_blocked_gguf(kind, raw, (112, k))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in ((whole.codes, chunked.codes), (whole.scales, chunked.scales), (whole.mins, chunked.mins),
+                 (whole.subs, chunked.subs)):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kind", TYPES)
