@@ -165,9 +165,14 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     crumbs again, after the nibbles. 8-bit codes are the quads as they are; 1-bit codes one plane."""
     n, k = q.shape
     g = k // GROUP
-    quads = q.reshape(n // COLS, COLS, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // COLS, g, 8, 64)
+    # A quad's 4 codes of a column move together: permuted as one int32 each (a quarter of the
+    # elements a uint8 permute copies one by one).
+    words = q.contiguous().view(torch.int32).reshape(n // COLS, COLS, g, 8)
+    quads = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(n // COLS, g, 8, 64)
 
     def nibbles(v: torch.Tensor) -> torch.Tensor:
+        if bits == 4:  # codes < 16 already: two passes over the weight fewer (loading is these passes)
+            return v[:, :, :4] | (v[:, :, 4:] << 4)
         return (v[:, :, :4] & 0x0F) | ((v[:, :, 4:] & 0x0F) << 4)
 
     def crumbs(v: torch.Tensor) -> torch.Tensor:
@@ -197,7 +202,8 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
         parts = [nibbles(quads), crumbs(quads >> 4)]
     else:
         raise ValueError(f"no blocked layout for {bits}-bit codes")
-    return torch.cat(parts, dim=2).reshape(n // COLS, g, bits * 64).contiguous()
+    packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one part: no copy
+    return packed.reshape(n // COLS, g, bits * 64).contiguous()
 
 
 def by_block(t: np.ndarray | torch.Tensor | None) -> torch.Tensor | None:

@@ -103,7 +103,10 @@ def to_blocked(w: QuantizedWeight) -> BlockedWeight:
     if n % 16:
         raise ValueError(f"{n} output rows is not a multiple of 16")
     g = k // GROUP
-    q = w._codes_by_group().reshape(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4)  # [N/16, G, quad, col, 4]
+    # [N/16, G, quad, 64]: a quad's 4 codes of a column move as one int32 (blocked_formats.pack_codes)
+    by_group = w._codes_by_group().contiguous()
+    words = by_group.view(torch.int32).reshape(n // 16, 16, g, 8)
+    q = words.permute(0, 2, 3, 1).contiguous().view(by_group.dtype).reshape(n // 16, g, 8, 64)
     if w.bits == 4:
         codes = (q[:, :, :4] | (q[:, :, 4:] << 4)).reshape(n // 16, g, 4, 64).contiguous()
     else:  # int8 + 128 as uint8 (flipping the sign bit): vpdpbusd's unsigned operand
