@@ -28,7 +28,7 @@ _lock = threading.Lock()
 def take(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous [rows, cols] tensor of `dtype` over this thread's buffer (contents undefined),
     valid until this thread's next `take`."""
-    nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
+    nbytes = rows * cols * dtype.itemsize
     key = threading.get_ident()
     with _lock:
         buf = _buffers.get(key)
