@@ -49,9 +49,12 @@ def test_release_drops_the_buffers_but_not_a_view_in_use():
 
 def test_each_thread_has_its_own_buffer():
     ptrs = {}
+    both_hold_theirs = threading.Barrier(2)  # a thread that ended may hand its id (and buffer) on
 
     def grab(name: str) -> None:
         ptrs[name] = weight_scratch.take(256, 256, torch.bfloat16).data_ptr()
+        if name != "main":
+            both_hold_theirs.wait(timeout=30)
 
     threads = [threading.Thread(target=grab, args=(n,)) for n in ("a", "b")]
     for t in threads:

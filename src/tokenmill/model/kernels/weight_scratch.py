@@ -11,6 +11,8 @@ The buffer grows to the largest weight asked for (a gate/up pair on most models)
 `release()`, which the engine calls whenever its last request has finished (engine/engine_core.py):
 it lives while requests run. A view handed out stays valid while it is referenced, so a release never
 pulls memory from under a GEMM.
+Buffers are keyed by thread id: a thread started after another ended may get its id, and then takes
+over its buffer, so threads that come and go never pile buffers up.
 Only the caller that consumes the copy before its thread asks for another may take it: a layer's
 prompt GEMM, never a weight kept for later.
 """
