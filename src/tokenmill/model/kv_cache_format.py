@@ -109,10 +109,20 @@ class KVCacheFormat:
         """float32 values [..., head_dim] of rows [..., row_width] (the exact stored numbers)."""
         if self.name != "int8":
             return rows.float()
+        values = self.stored_values(rows, torch.float32)
+        return rotate(values) if self.rotated(values.shape[-1]) else values
+
+    def rotated(self, head_dim: int) -> bool:
+        """Whether rows of this format and head dim hold codes of H x rather than of x."""
+        return self.name == "int8" and head_dim in ROTATED_HEAD_DIMS
+
+    def stored_values(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Values [..., head_dim] in `dtype` of rows [..., row_width] as stored: int8 rows as code x
+        scale, still in the rotated basis where `rotated` says so (`decode` rotates them back)."""
+        if self.name != "int8":
+            return rows.to(dtype)
         scale = rows[..., :INT8_SCALE_BYTES].contiguous().view(torch.float32)
-        values = rows[..., INT8_SCALE_BYTES:].float() * scale
-        hd = values.shape[-1]
-        return rotate(values) if hd in ROTATED_HEAD_DIMS else values
+        return (rows[..., INT8_SCALE_BYTES:].float() * scale).to(dtype)
 
     @property
     def layout_name(self) -> str:

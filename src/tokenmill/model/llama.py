@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.model import prompt_attention
 from tokenmill.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.fused_decode import FusedDecodeStack
@@ -155,7 +156,11 @@ class LlamaForCausalLM:
             embed = self.lm_head.weight  # the lm_head's layout (maybe re-blocked): still one copy
         self.embed_tokens = make_embedding(embed, policy)
         self.rope = RotaryEmbedding(config, max_positions)
-        self.attention = attention or TorchPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        # Fast mode on CPUs with AMX attends long prompt chunks in bf16 on torch's flash kernel, the
+        # faster there (model/prompt_attention.py); the paged kernel takes the rest as runs of decode rows.
+        bf16_prompts = policy.precision == "fast" and prompt_attention.faster_here()
+        self.attention = attention or TorchPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim,
+                                                          bf16_prompts=bf16_prompts)
         # Fast mode runs the elementwise steps fused in C++ where it can (not for q/k norms, qwen3).
         self.fused = policy.precision == "fast" and not config.qk_norm and fused_ops.available()
         self.fused = self.fused and isinstance(self.attention, TorchPagedAttention)  # fp32 caches it writes

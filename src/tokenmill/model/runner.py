@@ -28,6 +28,12 @@ from tokenmill.model.pooling import chunk_pool
 # sequence together, which measured 1.4x faster than SDPA's flash kernel for whole prompts
 # (docs/benchmarks.md).
 MAX_ROWS_AS_DECODE = 16
+# Where the attention attends prompts in bf16 on torch's flash kernel (model/prompt_attention.py: fast
+# mode on AMX), chunks from this many tokens go there and shorter ones stay runs of rows: below ~192
+# rows a prompt step is one fused C++ call (model/fused_decode.py), which measured 1.3-1.7x faster
+# than the layers op by op with SDPA (32-191 tokens); at 256 the two were even, at 512 SDPA was 3-11%
+# faster and at 2,048 1.8x (docs/benchmarks.md, "Prompt attention on AMX").
+BF16_PROMPT_MIN_ROWS = 256
 
 
 @dataclass
@@ -56,7 +62,10 @@ class ModelRunner:
         self.model = model
         # Only where the C++ kernel reads the pages in place: the PyTorch path would pad every row.
         kernel = getattr(model.attention, "kernel", False)
-        self.max_rows_as_decode = 1 << 62 if prefill_as_decode_rows and kernel else MAX_ROWS_AS_DECODE
+        self.max_rows_as_decode = MAX_ROWS_AS_DECODE
+        if prefill_as_decode_rows and kernel:
+            bf16_prompts = getattr(model.attention, "bf16_prompts", False)
+            self.max_rows_as_decode = BF16_PROMPT_MIN_ROWS - 1 if bf16_prompts else 1 << 62
         self.page_size = page_size
         self.num_pages = num_pages
         kv_format = KVCacheFormat.of(kv_format) if isinstance(kv_format, torch.dtype) else kv_format

@@ -1,0 +1,147 @@
+"""Prompt chunks attended in bf16 on torch's flash kernel (model/prompt_attention.py): the causal and
+offset masks, bf16 and int8 rows (the rotated basis undone), the pages gathered in the table's order,
+and fast mode on an AMX CPU sending long prompt chunks there while agreeing with the paged kernel's rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import make_tiny_model, write_tiny_gguf
+from tokenmill.config import EngineConfig
+from tokenmill.engine.factory import build_engine_core
+from tokenmill.model import prompt_attention
+from tokenmill.model.attention import PrefillSpan, TorchPagedAttention
+from tokenmill.model.kv_cache_format import KVCacheFormat
+from tokenmill.model.runner import BF16_PROMPT_MIN_ROWS, ModelRunner, SeqChunk
+
+BF16 = KVCacheFormat.named("bf16")
+INT8 = KVCacheFormat.named("int8")
+# bf16 queries and attention weights (8 bits), fp32 sums: outputs, weighted means of values ~N(0, 1),
+# within a few bf16 steps of the float64 result.
+BOUND = dict(atol=2.5e-2, rtol=2e-2)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float64 causal attention of q [q_len, heads, hd] at the last q_len positions of k, v [kvh, kv_len, hd]."""
+    q_len, heads, hd = q.shape
+    kvh, kv_len, _ = k.shape
+    group = heads // kvh
+    out = torch.empty(q_len, heads, hd, dtype=torch.float64)
+    for i in range(q_len):
+        seen = kv_len - q_len + i + 1
+        for h in range(heads):
+            keys, values = k[h // group, :seen].double(), v[h // group, :seen].double()
+            probs = torch.softmax(keys @ q[i, h].double() * hd**-0.5, dim=0)
+            out[i, h] = probs @ values
+    return out
+
+
+@pytest.mark.parametrize("q_len, kv_len, kvh, group, hd", [
+    (40, 40, 3, 3, 64),  # a fresh prompt: is_causal
+    (24, 70, 2, 4, 128),  # a chunk after a cached prefix: the offset mask
+    (17, 17, 1, 4, 256),  # Gemma's head_dim, one KV head
+])
+def test_bf16_rows_give_causal_attention(q_len, kv_len, kvh, group, hd):
+    g = torch.Generator().manual_seed(kv_len)
+    q = torch.randn(q_len, kvh * group, hd, generator=g)
+    k, v = torch.randn(kvh, kv_len, hd, generator=g), torch.randn(kvh, kv_len, hd, generator=g)
+    rows_k, rows_v = BF16.encode(k), BF16.encode(v)
+    got = prompt_attention.attend(q, rows_k, rows_v, BF16, None)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got.double(), reference(q, rows_k.float(), rows_v.float()), **BOUND)
+    # bf16 queries give bf16 outputs (the large steps' bf16 activations)
+    assert prompt_attention.attend(q.bfloat16(), rows_k, rows_v, BF16, None).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("hd", [64, 48])  # rotated rows, and a head dim whose rows keep plain codes
+def test_int8_rows_are_read_in_their_rotated_basis(hd):
+    g = torch.Generator().manual_seed(hd)
+    q = torch.randn(30, 6, hd, generator=g)
+    k, v = torch.randn(2, 50, hd, generator=g), torch.randn(2, 50, hd, generator=g)
+    k[..., 5] *= 6  # an outlier channel, as keys have (larger ones make scores, and their bf16 error, larger)
+    rows_k, rows_v = INT8.encode(k), INT8.encode(v)
+    assert INT8.rotated(hd) == (hd == 64)
+    got = prompt_attention.attend(q, rows_k, rows_v, INT8, None)
+    torch.testing.assert_close(got.double(), reference(q, INT8.decode(rows_k), INT8.decode(rows_v)), **BOUND)
+
+
+@pytest.mark.parametrize("fmt", [BF16, INT8])
+def test_prefill_spans_gather_the_pages_in_table_order(fmt):
+    g = torch.Generator().manual_seed(3)
+    kvh, group, hd, page = 2, 3, 64, 16
+    k, v = torch.randn(kvh, 8 * page, hd, generator=g), torch.randn(kvh, 8 * page, hd, generator=g)
+    cache_k, cache_v = fmt.encode(k), fmt.encode(v)
+    pages = torch.tensor([5, 2, 7])  # 40 tokens of context over three shuffled pages
+    q = torch.randn(25, kvh * group, hd, generator=g)
+    got = TorchPagedAttention(kvh * group, kvh, hd, bf16_prompts=True)._prefill(q, cache_k, cache_v,
+                                                                              PrefillSpan(0, 25, 40, pages), page)
+    slots = torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages.tolist()])[:40]
+    want = reference(q, fmt.decode(cache_k[:, slots]), fmt.decode(cache_v[:, slots]))
+    torch.testing.assert_close(got.double(), want, **BOUND)
+    # the fp32 computation of the same span (exact mode's path) is within the same bound
+    fp32 = TorchPagedAttention(kvh * group, kvh, hd)._prefill(q, cache_k, cache_v, PrefillSpan(0, 25, 40, pages), page)
+    torch.testing.assert_close(fp32.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_fp32_caches_keep_the_fp32_computation():
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(2, 64, 32, generator=g), torch.randn(2, 64, 32, generator=g)
+    q = torch.randn(20, 4, 32, generator=g)
+    span = PrefillSpan(0, 20, 33, torch.tensor([1, 0, 3]))
+    on = TorchPagedAttention(4, 2, 32, bf16_prompts=True)._prefill(q, k, v, span, 16)
+    off = TorchPagedAttention(4, 2, 32)._prefill(q, k, v, span, 16)
+    assert torch.equal(on, off)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_fast_mode_on_amx_sends_long_prompt_chunks_to_sdpa_and_agrees_with_the_kernel_rows(tmp_path, monkeypatch,
+                                                                                           kv_dtype):
+    folder = make_tiny_model(tmp_path, "llama", tokenizer=False, hidden_size=128, intermediate_size=256,
+                             max_position_embeddings=1024)
+    gguf = write_tiny_gguf(folder, tmp_path / "tiny.gguf", quant="Q8_0")
+    g = torch.Generator().manual_seed(2)
+    n = BF16_PROMPT_MIN_ROWS + 20
+    prompt = [int(t) for t in torch.randint(100, 250, (2 * n + 3,), generator=g)]
+    pages = list(range(-(-len(prompt) // 16)))
+
+    calls = []
+    attend = prompt_attention.attend
+    monkeypatch.setattr(prompt_attention, "attend", lambda *args: calls.append(args[0].shape[0]) or attend(*args))
+
+    def logits(amx: bool) -> tuple[torch.Tensor, ModelRunner]:
+        monkeypatch.setattr(prompt_attention, "faster_here", lambda: amx)
+        config = EngineConfig(model=str(gguf), precision="fast", num_threads=2, kv_cache_tokens=1024,
+                              kv_cache_dtype=kv_dtype)
+        runner = build_engine_core(config).runner
+        # a fresh chunk, a chunk after its cached prefix, and a short tail: every token's logits
+        chunks = [SeqChunk(prompt[:n], 0, pages, sample=True, all_logits=True),
+                  SeqChunk(prompt[n:2 * n], n, pages, sample=True, all_logits=True),
+                  SeqChunk(prompt[2 * n:], 2 * n, pages, sample=True, all_logits=True)]
+        return torch.cat([runner.execute([c]) for c in chunks]), runner
+
+    on, runner = logits(True)
+    assert runner.model.attention.bf16_prompts and runner.max_rows_as_decode == BF16_PROMPT_MIN_ROWS - 1
+    # the two long chunks in every layer; the 3-token tail as rows of the kernel
+    assert calls == [n] * runner.model.config.num_layers * 2
+    off, runner = logits(False)
+    assert len(calls) == runner.model.config.num_layers * 2
+    assert not runner.model.attention.bf16_prompts and runner.max_rows_as_decode > len(prompt)
+    assert on.shape == off.shape == (len(prompt), runner.model.config.vocab_size)
+    # the same attention in another order: logits within bf16 rounding, and the same argmax wherever
+    # the kernel's top two are not a near-tie
+    torch.testing.assert_close(on, off, atol=1e-2, rtol=0)
+    top2 = off.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2e-2
+    assert clear.sum() >= len(prompt) // 3 and torch.equal(on.argmax(-1)[clear], off.argmax(-1)[clear])
+
+
+def test_faster_here_needs_amx_and_an_avx512_cap(monkeypatch):
+    prompt_attention.faster_here.cache_clear()
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
+    try:
+        assert prompt_attention.faster_here() is False
+    finally:
+        prompt_attention.faster_here.cache_clear()
+    monkeypatch.delenv("TOKENMILL_CPU_ISA")
+    assert prompt_attention.faster_here() == bool(torch.cpu._is_amx_tile_supported())
