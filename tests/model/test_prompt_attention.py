@@ -136,12 +136,29 @@ def test_fast_mode_on_amx_sends_long_prompt_chunks_to_sdpa_and_agrees_with_the_k
     assert clear.sum() >= len(prompt) // 3 and torch.equal(on.argmax(-1)[clear], off.argmax(-1)[clear])
 
 
-def test_faster_here_needs_amx_and_an_avx512_cap(monkeypatch):
+@pytest.fixture
+def fresh_choice():
     prompt_attention.faster_here.cache_clear()
+    yield
+    prompt_attention.faster_here.cache_clear()
+
+
+def test_faster_here_needs_amx_and_an_avx512_cap(monkeypatch, fresh_choice):
+    monkeypatch.delenv(prompt_attention.CHOICE_ENV, raising=False)
     monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
-    try:
-        assert prompt_attention.faster_here() is False
-    finally:
-        prompt_attention.faster_here.cache_clear()
+    assert prompt_attention.faster_here() is False
+    prompt_attention.faster_here.cache_clear()
     monkeypatch.delenv("TOKENMILL_CPU_ISA")
     assert prompt_attention.faster_here() == bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.parametrize("value, sdpa", [("sdpa", True), ("kernel", False), (" SDPA ", True)])
+def test_the_environment_chooses_the_path(monkeypatch, fresh_choice, value, sdpa):
+    monkeypatch.setenv(prompt_attention.CHOICE_ENV, value)
+    assert prompt_attention.faster_here() is sdpa
+
+
+def test_an_unknown_choice_is_an_error_that_names_it(monkeypatch, fresh_choice):
+    monkeypatch.setenv(prompt_attention.CHOICE_ENV, "flash")
+    with pytest.raises(ValueError, match=r"TOKENMILL_PROMPT_ATTENTION='flash' is not one of auto, sdpa, kernel"):
+        prompt_attention.faster_here()

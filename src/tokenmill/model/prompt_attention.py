@@ -17,6 +17,7 @@ the outputs on the way out, as the kernel does (q . k = Hq . Hk, and sum w v = H
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +25,20 @@ import torch.nn.functional as F
 from tokenmill.model.kernels import cpu_isa
 from tokenmill.model.kv_cache_format import KVCacheFormat, rotate
 
+CHOICE_ENV = "TOKENMILL_PROMPT_ATTENTION"  # auto (unset), sdpa or kernel: to measure either path anywhere
+CHOICES = ("auto", "sdpa", "kernel")
+
 
 @functools.cache
 def faster_here() -> bool:
-    """Whether prompt chunks should take this path: the CPU has AMX tiles and AVX-512 is allowed."""
+    """Whether fast mode's long prompt chunks take this path: by default where the CPU has AMX tiles and
+    AVX-512 is allowed; TOKENMILL_PROMPT_ATTENTION=sdpa|kernel decides instead (a value it does not
+    know is an error that names it)."""
+    choice = os.environ.get(CHOICE_ENV, "").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{CHOICE_ENV}={choice!r} is not one of {', '.join(CHOICES)}")
+    if choice != "auto":
+        return choice == "sdpa"
     return cpu_isa.cap() == "avx512" and bool(torch.cpu._is_amx_tile_supported())
 
 
