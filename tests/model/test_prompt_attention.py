@@ -103,7 +103,9 @@ def test_fast_mode_on_amx_sends_long_prompt_chunks_to_sdpa_and_agrees_with_the_k
     g = torch.Generator().manual_seed(2)
     n = BF16_PROMPT_MIN_ROWS + 20
     prompt = [int(t) for t in torch.randint(100, 250, (2 * n + 3,), generator=g)]
+    other = [int(t) for t in torch.randint(100, 250, (21,), generator=g)]
     pages = list(range(-(-len(prompt) // 16)))
+    other_pages = [len(pages), len(pages) + 1]
 
     calls = []
     attend = prompt_attention.attend
@@ -114,11 +116,14 @@ def test_fast_mode_on_amx_sends_long_prompt_chunks_to_sdpa_and_agrees_with_the_k
         config = EngineConfig(model=str(gguf), precision="fast", num_threads=2, kv_cache_tokens=1024,
                               kv_cache_dtype=kv_dtype)
         runner = build_engine_core(config).runner
-        # a fresh chunk, a chunk after its cached prefix, and a short tail: every token's logits
-        chunks = [SeqChunk(prompt[:n], 0, pages, sample=True, all_logits=True),
-                  SeqChunk(prompt[n:2 * n], n, pages, sample=True, all_logits=True),
-                  SeqChunk(prompt[2 * n:], 2 * n, pages, sample=True, all_logits=True)]
-        return torch.cat([runner.execute([c]) for c in chunks]), runner
+        # another sequence's short prompt (rows); its next token as a decode row in the same step as
+        # a fresh long chunk; a chunk after its cached prefix; a short tail: every row's logits
+        steps = [[SeqChunk(other[:20], 0, other_pages, sample=True, all_logits=True)],
+                 [SeqChunk(other[20:], 20, other_pages, sample=True),
+                  SeqChunk(prompt[:n], 0, pages, sample=True, all_logits=True)],
+                 [SeqChunk(prompt[n:2 * n], n, pages, sample=True, all_logits=True)],
+                 [SeqChunk(prompt[2 * n:], 2 * n, pages, sample=True, all_logits=True)]]
+        return torch.cat([runner.execute(step) for step in steps]), runner
 
     on, runner = logits(True)
     assert runner.model.attention.bf16_prompts and runner.max_rows_as_decode == BF16_PROMPT_MIN_ROWS - 1
@@ -127,7 +132,7 @@ def test_fast_mode_on_amx_sends_long_prompt_chunks_to_sdpa_and_agrees_with_the_k
     off, runner = logits(False)
     assert len(calls) == runner.model.config.num_layers * 2
     assert not runner.model.attention.bf16_prompts and runner.max_rows_as_decode > len(prompt)
-    assert on.shape == off.shape == (len(prompt), runner.model.config.vocab_size)
+    assert on.shape == off.shape == (len(prompt) + len(other), runner.model.config.vocab_size)
     # the same attention in another order: logits within bf16 rounding, and the same argmax wherever
     # the kernel's top two are not a near-tie
     torch.testing.assert_close(on, off, atol=1e-2, rtol=0)
