@@ -15,7 +15,7 @@ from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.fused_decode import FusedDecodeStack
 from tokenmill.model.kernels import decode_step
 from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS
-from tokenmill.model.runner import BF16_PROMPT_MIN_ROWS, ModelRunner, SeqChunk
+from tokenmill.model.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and a blocked kernel")
 
@@ -132,11 +132,13 @@ def test_prompts_attend_through_the_paged_kernel_as_through_sdpa(fast_runner):
     through the fused step): the logits of every prompt token, over two chunks of one prompt and a
     second prompt beside them, agree with the SDPA path's."""
     kernel_runner = fast_runner()
-    # every chunk below as rows (on AMX CPUs, chunks from BF16_PROMPT_MIN_ROWS tokens would go to
-    # bf16 SDPA instead: tests/model/test_prompt_attention.py)
-    assert kernel_runner.max_rows_as_decode >= BF16_PROMPT_MIN_ROWS - 1
     sdpa_runner = ModelRunner(kernel_runner.model, kernel_runner.num_pages, kernel_runner.page_size, torch.bfloat16)
     first, rest, other = ids(45, 5), ids(30, 6), ids(70, 7)
+    # every chunk below as rows (on AMX CPUs, long ones would go to bf16 SDPA instead:
+    # tests/model/test_prompt_attention.py); the plain runner sends them as prefill spans
+    for tokens, start in ((first, 0), (other, 0), (rest, len(first))):
+        chunk = SeqChunk(tokens, start, [], sample=True)
+        assert kernel_runner.attends_as_rows(chunk) and not sdpa_runner.attends_as_rows(chunk)
     results = []
     for runner in (kernel_runner, sdpa_runner):
         a = runner.execute([SeqChunk(first, 0, list(range(0, 8)), sample=True, all_logits=True),

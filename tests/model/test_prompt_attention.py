@@ -13,7 +13,13 @@ from tokenmill.engine.factory import build_engine_core
 from tokenmill.model import prompt_attention
 from tokenmill.model.attention import PrefillSpan, TorchPagedAttention
 from tokenmill.model.kv_cache_format import KVCacheFormat
-from tokenmill.model.runner import BF16_PROMPT_MIN_ROWS, ModelRunner, SeqChunk
+from tokenmill.model.runner import (
+    BF16_PROMPT_MIN_PAIRS,
+    BF16_PROMPT_MIN_ROWS,
+    MAX_ROWS_AS_DECODE,
+    ModelRunner,
+    SeqChunk,
+)
 
 BF16 = KVCacheFormat.named("bf16")
 INT8 = KVCacheFormat.named("int8")
@@ -127,11 +133,18 @@ def test_fast_mode_on_amx_sends_long_prompt_chunks_to_sdpa_and_agrees_with_the_k
 
     on, runner = logits(True)
     assert runner.model.attention.bf16_prompts and runner.max_rows_as_decode == BF16_PROMPT_MIN_ROWS - 1
+    # which chunks take the bf16 path: long ones, and shorter ones with much context (token pairs)
+    def as_rows(n: int, start: int) -> bool:
+        return runner.attends_as_rows(SeqChunk([1] * n, start, [], sample=True))
+    assert not as_rows(BF16_PROMPT_MIN_ROWS, 0) and as_rows(BF16_PROMPT_MIN_ROWS - 1, 0)
+    assert not as_rows(64, BF16_PROMPT_MIN_PAIRS // 64) and as_rows(64, BF16_PROMPT_MIN_PAIRS // 64 - 65)
+    assert as_rows(MAX_ROWS_AS_DECODE, 10**6)  # speculative rows stay rows at any context
     # the two long chunks in every layer; the 3-token tail as rows of the kernel
     assert calls == [n] * runner.model.config.num_layers * 2
     off, runner = logits(False)
     assert len(calls) == runner.model.config.num_layers * 2
     assert not runner.model.attention.bf16_prompts and runner.max_rows_as_decode > len(prompt)
+    assert runner.attends_as_rows(SeqChunk([1] * 64, 10**5, [], sample=True))
     assert on.shape == off.shape == (len(prompt) + len(other), runner.model.config.vocab_size)
     # the same attention in another order: logits within bf16 rounding, and the same argmax wherever
     # the kernel's top two are not a near-tie

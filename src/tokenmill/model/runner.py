@@ -29,11 +29,15 @@ from tokenmill.model.pooling import chunk_pool
 # (docs/benchmarks.md).
 MAX_ROWS_AS_DECODE = 16
 # Where the attention attends prompts in bf16 on torch's flash kernel (model/prompt_attention.py: fast
-# mode on AMX), chunks from this many tokens go there and shorter ones stay runs of rows: below ~192
-# rows a prompt step is one fused C++ call (model/fused_decode.py), which measured 1.3-1.7x faster
-# than the layers op by op with SDPA (32-191 tokens); at 256 the two were even, at 512 SDPA was 3-11%
-# faster and at 2,048 1.8x (docs/benchmarks.md, "Prompt attention on AMX").
+# mode on AMX), chunks of more than MAX_ROWS_AS_DECODE tokens go there when they have this many tokens,
+# or when their attention (tokens x context) is this large; the rest stay runs of rows. Below ~192 rows
+# a prompt step is one fused C++ call (model/fused_decode.py), which measured 1.3-1.7x faster than the
+# layers op by op with SDPA for fresh prompts of 32-191 tokens; at 256 the two were even, at 512 SDPA
+# was 3-11% faster and at 2,048 1.8x. After a cached prefix, SDPA won from ~200k token pairs (64 tokens
+# after 4,000: 1.2x; 128 after 2,000: 1.15x) and lost below (32 after 4,000: 0.84x); at 130-145k they
+# were even (docs/benchmarks.md, "Prompt attention on AMX").
 BF16_PROMPT_MIN_ROWS = 256
+BF16_PROMPT_MIN_PAIRS = 196_608
 
 
 @dataclass
@@ -63,9 +67,13 @@ class ModelRunner:
         # Only where the C++ kernel reads the pages in place: the PyTorch path would pad every row.
         kernel = getattr(model.attention, "kernel", False)
         self.max_rows_as_decode = MAX_ROWS_AS_DECODE
+        # Chunks of more than MAX_ROWS_AS_DECODE tokens (and at most max_rows_as_decode) whose attention
+        # has this many token pairs go to the attention's bf16 prompt path instead of rows.
+        self.prompt_path_min_pairs = 1 << 62
         if prefill_as_decode_rows and kernel:
             bf16_prompts = getattr(model.attention, "bf16_prompts", False)
             self.max_rows_as_decode = BF16_PROMPT_MIN_ROWS - 1 if bf16_prompts else 1 << 62
+            self.prompt_path_min_pairs = BF16_PROMPT_MIN_PAIRS if bf16_prompts else 1 << 62
         self.page_size = page_size
         self.num_pages = num_pages
         kv_format = KVCacheFormat.of(kv_format) if isinstance(kv_format, torch.dtype) else kv_format
@@ -108,7 +116,7 @@ class ModelRunner:
         """`execute`'s logits, and for each chunk with a `pooling_type`, in order, its part of the
         pooled final hidden state (after the final norm): one fp32 vector [hidden]."""
         # Decode rows first: attention batches them together (see attention.py).
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > self.max_rows_as_decode)
+        order = sorted(range(len(chunks)), key=lambda i: not self.attends_as_rows(chunks[i]))
         ordered = [chunks[i] for i in order]
         input_ids, positions, meta, last_rows = self._prepare(ordered)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
@@ -117,6 +125,14 @@ class ModelRunner:
         pooled = [chunk_pool(hidden[last[i] - len(c.token_ids) + 1 : last[i] + 1], c.pooling_type)
                   for i, c in enumerate(chunks) if c.pooling_type is not None]
         return logits, pooled
+
+    def attends_as_rows(self, chunk: SeqChunk) -> bool:
+        """Whether the chunk's tokens attend as decode rows, one per token (the paged kernel), rather
+        than as one prefill span."""
+        n = len(chunk.token_ids)
+        if n <= MAX_ROWS_AS_DECODE:
+            return True
+        return n <= self.max_rows_as_decode and n * (chunk.start + n) < self.prompt_path_min_pairs
 
     def shutdown(self) -> None:
         """Nothing to release here; a tensor-parallel runner (parallel/runner.py) stops its other ranks."""
@@ -176,7 +192,7 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
-        decode = [c for c in chunks if len(c.token_ids) <= self.max_rows_as_decode]
+        decode = [c for c in chunks if self.attends_as_rows(c)]
         for c in chunks:
             token_ids.extend(c.token_ids)
             positions.extend(range(c.start, c.start + len(c.token_ids)))
