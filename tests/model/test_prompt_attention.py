@@ -47,6 +47,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     (40, 40, 3, 3, 64),  # a fresh prompt: is_causal
     (24, 70, 2, 4, 128),  # a chunk after a cached prefix: the offset mask
     (17, 17, 1, 4, 256),  # Gemma's head_dim, one KV head
+    (prompt_attention.SPLIT_MIN_QUERIES, 700, 2, 2, 32),  # a long chunk after a prefix: two calls merged
 ])
 def test_bf16_rows_give_causal_attention(q_len, kv_len, kvh, group, hd):
     g = torch.Generator().manual_seed(kv_len)

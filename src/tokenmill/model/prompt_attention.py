@@ -26,6 +26,10 @@ import torch.nn.functional as F
 from tokenmill.model.kernels import cpu_isa
 from tokenmill.model.kv_cache_format import KVCacheFormat, rotate
 
+# From this many queries a chunk after a cached prefix attends in two calls (_causal_after_prefix)
+# instead of one under a mask: 1,024 over 2,048 keys 8.2 -> 6.8 ms, 2,048 over 4,096 33.4 -> 22.6 ms;
+# at 256 over 2,048 the merge cost more than it saved (2.4 -> 2.7 ms).
+SPLIT_MIN_QUERIES = 512
 CHOICE_ENV = "TOKENMILL_PROMPT_ATTENTION"  # auto (unset), sdpa or kernel: to measure either path anywhere
 CHOICES = ("auto", "sdpa", "kernel")
 
@@ -56,6 +60,8 @@ def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, th
     v = fmt.stored_values(values, torch.bfloat16).unsqueeze(0)
     if kv_len == q_len:
         out = F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True, scale=scale)
+    elif q_len >= SPLIT_MIN_QUERIES:
+        out = _causal_after_prefix(query, k, v, kv_len - q_len, scale)
     else:
         # The chunk's queries sit at the end of the context: query i sees keys 0..offset + i.
         offset = kv_len - q_len
@@ -63,6 +69,18 @@ def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, th
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     out = out.squeeze(0).transpose(0, 1)
     return (_rotate(out) if rotated else out).to(q.dtype)
+
+
+def _causal_after_prefix(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+                         scale: float | None) -> torch.Tensor:
+    """A long chunk over its cached prefix (no mask) and over itself (causal), merged by the two parts'
+    log-sum-exps: one masked call computes every position of the chunk's own square as well."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # what SDPA calls here, with the lse
+    prefix, prefix_lse = flash(query, k[:, :, :offset], v[:, :, :offset], 0.0, False, scale=scale)
+    own, own_lse = flash(query, k[:, :, offset:], v[:, :, offset:], 0.0, True, scale=scale)
+    prefix_share = torch.sigmoid(prefix_lse - own_lse).unsqueeze(-1)  # of each query's softmax mass
+    own = own.float()
+    return own.add_((prefix.float() - own).mul_(prefix_share))
 
 
 def _rotate(x: torch.Tensor) -> torch.Tensor:
