@@ -34,6 +34,10 @@ class FakeRunner:
         self.slots: list[int | None] = [None] * (num_pages * page_size)
         self.steps: list[list[tuple[int, int, bool]]] = []  # per step: (start, len, sample)
         self.read_only_pages: Callable[[], set[int]] | None = None  # pages no chunk may write
+        self.idle_releases = 0  # times the engine, left without requests, had its idle memory dropped
+
+    def release_idle_memory(self) -> None:
+        self.idle_releases += 1
 
     def _slot(self, pages: list[int], pos: int) -> int:
         return pages[pos // self.page_size] * self.page_size + pos % self.page_size

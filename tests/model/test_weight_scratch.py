@@ -18,6 +18,7 @@ from tokenmill.engine import memory_trim
 from tokenmill.model.kernels import quant_kernel, weight_scratch
 from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS, QuantizedLinear
 from tokenmill.model.quant import quantize_int4
+from tokenmill.model.runner import ModelRunner
 from tokenmill.sample.sampling_params import SamplingParams
 
 
@@ -106,20 +107,24 @@ def test_a_wrong_buffer_is_a_named_error():
 
 def test_the_engine_drops_the_scratch_when_its_last_request_finishes():
     engine, runner = make_engine()
-    real = runner.execute
+    real, counted = runner.execute, runner.release_idle_memory
     held = []
 
     def execute(chunks):  # a large step's layers: the weight copy is taken during the step
         weight_scratch.take(64, 64, torch.bfloat16)
-        held.append(weight_scratch.held_bytes())
+        held.append((weight_scratch.held_bytes(), runner.idle_releases))
         return real(chunks)
 
-    runner.execute = execute
+    def release_idle_memory():  # counted, and what a model's runner does
+        counted()
+        ModelRunner.release_idle_memory(runner)
+
+    runner.execute, runner.release_idle_memory = execute, release_idle_memory
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
     engine.add_request("b", [4, 5], SamplingParams(max_tokens=6, temperature=0))
     run_to_completion(engine)
-    assert len(held) == 6 and all(h == 64 * 64 * 2 for h in held)  # kept while requests ran
-    assert weight_scratch.held_bytes() == 0  # and dropped once none is left
+    assert held == [(64 * 64 * 2, 0)] * 6  # kept while requests ran
+    assert weight_scratch.held_bytes() == 0 and runner.idle_releases == 1  # and dropped once none is left
 
 
 # A fresh process frees and allocates the same 24 MB block twice: with glibc's defaults the first

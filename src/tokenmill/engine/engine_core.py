@@ -30,7 +30,6 @@ from tokenmill.engine.spec.stats import SpecDecodeStats
 from tokenmill.engine.step_stats import StepStats
 from tokenmill.errors import InvalidRequest
 from tokenmill.kvcache.page_pool import PagePool
-from tokenmill.model.kernels import weight_scratch
 from tokenmill.model.runner import ModelRunner, SeqChunk
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sample.logprobs import TokenLogprobs, prompt_logprobs
@@ -376,7 +375,7 @@ class EngineCore:
         # Cheap (O(pages + tree nodes)) and catches leaks at the moment they become visible.
         if not self.has_unfinished():
             # Large steps' weight copies live while requests run (an 8B's gate/up pair: 235-470 MB).
-            weight_scratch.release()
+            self.runner.release_idle_memory()
             self.check_integrity()
             if self.proposer is not None:
                 self.proposer.check_idle()

@@ -18,6 +18,7 @@ import torch
 from tokenmill.kvcache.kv_groups import KVLayout
 from tokenmill.model.attention import AttentionMetadata, PrefillSpan
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.kernels import weight_scratch
 from tokenmill.model.kv_cache_format import EXACT_DEFAULT, KVCacheFormat
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.pooling import chunk_pool
@@ -133,6 +134,11 @@ class ModelRunner:
         if n <= MAX_ROWS_AS_DECODE:
             return True
         return n <= self.max_rows_as_decode and n * (chunk.start + n) < self.prompt_path_min_pairs
+
+    def release_idle_memory(self) -> None:
+        """Drops what the steps keep between them and an idle engine does not need: the large steps'
+        dense weight copies (kernels/weight_scratch.py; an 8B's gate/up pair is 235-470 MB)."""
+        weight_scratch.release()
 
     def shutdown(self) -> None:
         """Nothing to release here; a tensor-parallel runner (parallel/runner.py) stops its other ranks."""

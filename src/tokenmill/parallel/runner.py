@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 _encode = msgspec.msgpack.Encoder().encode
 _decode_chunks = msgspec.msgpack.Decoder(list[SeqChunk]).decode
 STOP = b""  # an empty step: the ranks leave their loop
+IDLE = b"idle"  # rank 0's engine has no request left: the ranks drop their idle memory (not msgpack of a list)
 
 
 class TensorParallelRunner:
@@ -53,6 +54,15 @@ class TensorParallelRunner:
         self.group.broadcast_bytes(_encode(chunks))
         return self.inner.execute_pooled(chunks)
 
+    def release_idle_memory(self) -> None:
+        """Drops this rank's idle memory and tells the other ranks to drop theirs (their large steps'
+        weight copies, as this rank's): without it they held them for the server's life."""
+        self.inner.release_idle_memory()
+        try:
+            self.group.broadcast_bytes(IDLE)
+        except RuntimeError as exc:  # a rank gone: the next step says so; housekeeping must not
+            logger.warning("tensor-parallel idle message not delivered: %s", exc)
+
     def shutdown(self) -> None:
         """Tells the other ranks to stop, and waits for the ones this process started (once)."""
         self._stop()
@@ -78,5 +88,8 @@ def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> int:
         payload = group.broadcast_bytes(b"")
         if payload == STOP:
             return steps
+        if payload == IDLE:
+            runner.release_idle_memory()
+            continue
         runner.execute(_decode_chunks(payload))
         steps += 1
