@@ -61,10 +61,12 @@ def test_bf16_rows_give_causal_attention(q_len, kv_len, kvh, group, hd):
     assert prompt_attention.attend(q.bfloat16(), rows_k, rows_v, BF16, None).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("hd", [64, 48])  # rotated rows, and a head dim whose rows keep plain codes
-def test_int8_rows_are_read_in_their_rotated_basis(hd):
+# rotated rows (more queries than K/V vectors: K/V rotated back; fewer: queries and outputs rotated),
+# and a head dim whose rows keep plain codes
+@pytest.mark.parametrize("hd, q_len", [(64, 30), (64, 5), (48, 30)])
+def test_int8_rows_are_read_in_their_rotated_basis(hd, q_len):
     g = torch.Generator().manual_seed(hd)
-    q = torch.randn(30, 6, hd, generator=g)
+    q = torch.randn(q_len, 6, hd, generator=g)
     k, v = torch.randn(2, 50, hd, generator=g), torch.randn(2, 50, hd, generator=g)
     k[..., 5] *= 6  # an outlier channel, as keys have (larger ones make scores, and their bf16 error, larger)
     rows_k, rows_v = INT8.encode(k), INT8.encode(v)

@@ -12,7 +12,9 @@ What it computes is the kernel's arithmetic in another order: bf16 queries, keys
 scores and softmax, bf16 weights times bf16 values summed in fp32. K/V come from the pages the step has
 just written: bf16 rows as they lie; int8 rows as code x scale rounded to bf16, left in the rotated
 basis they are stored in (H k, H v: kv_cache_format.py), so the queries are rotated on the way in and
-the outputs on the way out, as the kernel does (q . k = Hq . Hk, and sum w v = H sum w Hv).
+the outputs on the way out, as the kernel does (q . k = Hq . Hk, and sum w v = H sum w Hv), or, where
+the context has fewer vectors than the chunk's queries (a fresh prompt with grouped KV heads), the keys
+and values are rotated back instead.
 """
 
 from __future__ import annotations
@@ -55,9 +57,11 @@ def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, th
     """Causal attention of the chunk's queries over the context, in bf16 on torch's flash kernel."""
     q_len, kv_len = q.shape[0], keys.shape[1]
     rotated = fmt.rotated(q.shape[-1])
-    query = (_rotate(q) if rotated else q).to(torch.bfloat16).transpose(0, 1).unsqueeze(0)
-    k = fmt.stored_values(keys, torch.bfloat16).unsqueeze(0)
-    v = fmt.stored_values(values, torch.bfloat16).unsqueeze(0)
+    # Rotated rows: rotate the queries and outputs into their basis, or the keys and values back out of
+    # it, whichever side has fewer vectors (with GQA a fresh chunk has `group` times more queries).
+    rotate_queries = rotated and q_len * q.shape[1] <= kv_len * keys.shape[0]
+    query = (_rotate(q) if rotate_queries else q).to(torch.bfloat16).transpose(0, 1).unsqueeze(0)
+    k, v = (_values(rows, fmt, rotated and not rotate_queries).unsqueeze(0) for rows in (keys, values))
     if kv_len == q_len:
         out = F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True, scale=scale)
     elif q_len >= SPLIT_MIN_QUERIES:
@@ -68,7 +72,14 @@ def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, th
         mask = torch.arange(kv_len).unsqueeze(0) <= torch.arange(offset, kv_len).unsqueeze(1)
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     out = out.squeeze(0).transpose(0, 1)
-    return (_rotate(out) if rotated else out).to(q.dtype)
+    return (_rotate(out) if rotate_queries else out).to(q.dtype)
+
+
+def _values(rows: torch.Tensor, fmt: KVCacheFormat, unrotate: bool) -> torch.Tensor:
+    """The rows' values in bf16: as stored, or rotated back out of H's basis (in fp32, then rounded)."""
+    if not unrotate:
+        return fmt.stored_values(rows, torch.bfloat16)
+    return _rotate(fmt.stored_values(rows, torch.float32)).to(torch.bfloat16)
 
 
 def _causal_after_prefix(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
