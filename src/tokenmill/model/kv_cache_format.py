@@ -97,7 +97,7 @@ class KVCacheFormat:
         if self.name != "int8":
             return values.to(self.storage_dtype)
         x = values.float()
-        if x.shape[-1] in ROTATED_HEAD_DIMS:
+        if self.rotated(x.shape[-1]):
             x = rotate(x)
         amax = x.abs().amax(dim=-1, keepdim=True)
         scale = amax / 127

@@ -117,9 +117,10 @@ class ModelRunner:
         """`execute`'s logits, and for each chunk with a `pooling_type`, in order, its part of the
         pooled final hidden state (after the final norm): one fp32 vector [hidden]."""
         # Decode rows first: attention batches them together (see attention.py).
-        order = sorted(range(len(chunks)), key=lambda i: not self.attends_as_rows(chunks[i]))
+        as_rows = [self.attends_as_rows(c) for c in chunks]
+        order = sorted(range(len(chunks)), key=lambda i: not as_rows[i])
         ordered = [chunks[i] for i in order]
-        input_ids, positions, meta, last_rows = self._prepare(ordered)
+        input_ids, positions, meta, last_rows = self._prepare(ordered, sum(as_rows))
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[self._logit_rows(chunks, order, last_rows)])
         last = {i: last_rows[j] for j, i in enumerate(order)}
@@ -194,11 +195,12 @@ class ModelRunner:
             v_cache[:, start:end].zero_()
         self._zeroed_pages = upto
 
-    def _prepare(self, chunks: list[SeqChunk]):
+    def _prepare(self, chunks: list[SeqChunk], num_row_chunks: int):
+        """The flat batch of `chunks`, whose first `num_row_chunks` attend as decode rows."""
         token_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
-        decode = [c for c in chunks if self.attends_as_rows(c)]
+        decode = chunks[:num_row_chunks]
         for c in chunks:
             token_ids.extend(c.token_ids)
             positions.extend(range(c.start, c.start + len(c.token_ids)))
