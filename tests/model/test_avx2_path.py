@@ -109,7 +109,7 @@ def test_fast_mode_on_avx2_agrees_with_exact(avx2_run, mix):
 
 def test_an_unknown_cap_is_named(monkeypatch):
     monkeypatch.setenv(cpu_isa.ISA_ENV, "avx3")
-    with pytest.raises(ValueError, match="TOKENMILL_CPU_ISA='avx3' is not one of baseline, avx2, avx512"):
+    with pytest.raises(ValueError, match="TOKENMILL_CPU_ISA='avx3' is not one of baseline, avx2, avx512, amx"):
         cpu_isa.cap()
     monkeypatch.setenv(cpu_isa.ISA_ENV, "AVX2")
     assert cpu_isa.cap() == "avx2"

@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.factory import build_engine_core
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.fused_decode import FusedDecodeStack
-from tokenmill.model.kernels import decode_step
+from tokenmill.model.kernels import decode_step, quant_kernel
 from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS
 from tokenmill.model.runner import ModelRunner, SeqChunk
 
@@ -87,6 +87,34 @@ def test_fused_step_matches_the_layers_op_by_op(fast_runner, kv_dtype, kernel):
     for (kf, vf), (ke, ve) in zip(fused_kv, runner.kv_caches):
         torch.testing.assert_close(kf.float(), ke.float(), atol=1e-4, rtol=1e-2)
         torch.testing.assert_close(vf.float(), ve.float(), atol=1e-4, rtol=1e-2)
+
+
+@pytest.mark.skipif(not quant_kernel.amx_available(), reason="no AMX-BF16 here")
+def test_steps_of_many_rows_run_the_amx_tiles_as_the_layers_do(fast_runner):
+    """A fused step of amx_min_rows+ rows multiplies on the AMX tiles (its rows split once per layer
+    input), as the op-by-op linears do: it agrees with them far closer than with the VNNI kernel's."""
+    runner = fast_runner()
+    model = runner.model
+    rows = int(torch.ops.tokenmill_vnni.amx_min_rows()) + 16
+    chunk = [SeqChunk(ids(rows, 21), 0, list(range(-(-rows // runner.page_size))), sample=True, all_logits=True)]
+    model._decode_stack = None
+    fused = runner.execute(chunk)
+    assert model._decode_stack is not None
+    model.fused_decode = False
+    try:
+        eager = runner.execute(chunk)
+        linears = [lin for layer in model.layers for lin in layer.linears() if getattr(lin, "kernel_weight", None) is not None]
+        assert linears
+        for lin in linears:  # the same layers with the VNNI kernel at every row count
+            lin._blocked = lambda x, w=lin.kernel_weight: quant_kernel.blocked_linear(x, w, amx=False)
+        vnni = runner.execute(chunk)
+    finally:
+        model.fused_decode = True
+        for lin in linears:
+            lin._blocked = quant_kernel.bound_blocked_linear(lin.kernel_weight)
+    scale = eager.abs().max().item()
+    torch.testing.assert_close(fused, eager, atol=2e-4 * scale, rtol=1e-4)
+    assert (fused - eager).abs().max() < 0.25 * (fused - vnni).abs().max()
 
 
 def test_large_steps_run_op_by_op(fast_runner):

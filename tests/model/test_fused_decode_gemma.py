@@ -93,7 +93,9 @@ def test_short_prompts_run_fused_as_decode_rows(fast_runner):
     chunk = [SeqChunk(ids(fused_decode_gemma.GemmaFusedDecodeStack.MAX_ROWS, 9), 0, list(range(20, 30)),
                       sample=True, all_logits=True)]
     fused, _, eager = run_both(runner, chunk)
-    torch.testing.assert_close(fused, eager, atol=2e-3 * eager.abs().max().item(), rtol=1e-3)
+    # 3e-3 of the largest logit, as for long prompts below: 191 rows of this tiny random gemma 3 measured
+    # 2.0e-3 on the VNNI kernel and 2.3e-3 on AMX tiles (both paths' linears; the rest differs in order)
+    torch.testing.assert_close(fused, eager, atol=3e-3 * eager.abs().max().item(), rtol=1e-3)
     assert (fused.argmax(-1) == eager.argmax(-1)).float().mean() > 0.9
 
 

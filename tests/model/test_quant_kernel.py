@@ -149,7 +149,7 @@ def test_blocked_vnni_kernel_every_row_tiling(kind, rows, k):
     x[0, :32] = 0  # a group of zeros: scale 0, not a division by zero
     for terms in (1, 2):
         expected = int8_activation_reference(x, qw, terms)
-        got = quant_kernel.blocked_linear(x, blocked, terms=terms)
+        got = quant_kernel.blocked_linear(x, blocked, terms=terms, amx=False)
         torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)
 
 
@@ -158,16 +158,16 @@ def test_blocked_vnni_kernel_every_row_tiling(kind, rows, k):
 def test_blocked_vnni_kernel_split_across_threads(rows):
     # Enough columns for the threads to split the blocks, from 16 rows the rows (each thread rounds
     # its own), 400 rows a scratch buffer too large to keep: the result must not depend on the number
-    # of threads.
+    # of threads. (The VNNI kernel's arithmetic: amx=False; tests/model/test_quant_amx.py has the tiles.)
     qw, _ = gguf_weight("Q4_0", 512, 1024, seed=rows)
     blocked = to_blocked(qw)
     x = torch.randn(rows, 1024)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = quant_kernel.blocked_linear(x, blocked)
+        one = quant_kernel.blocked_linear(x, blocked, amx=False)
         torch.set_num_threads(2)
-        two = quant_kernel.blocked_linear(x, blocked)
+        two = quant_kernel.blocked_linear(x, blocked, amx=False)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)

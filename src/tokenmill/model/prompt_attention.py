@@ -39,14 +39,14 @@ CHOICES = ("auto", "sdpa", "kernel")
 @functools.cache
 def faster_here() -> bool:
     """Whether fast mode's long prompt chunks take this path: by default where the CPU has AMX tiles and
-    AVX-512 is allowed; TOKENMILL_PROMPT_ATTENTION=sdpa|kernel decides instead (a value it does not
-    know is an error that names it)."""
+    the cap allows them (TOKENMILL_CPU_ISA unset or amx); TOKENMILL_PROMPT_ATTENTION=sdpa|kernel
+    decides instead (a value it does not know is an error that names it)."""
     choice = os.environ.get(CHOICE_ENV, "").strip().lower() or "auto"
     if choice not in CHOICES:
         raise ValueError(f"{CHOICE_ENV}={choice!r} is not one of {', '.join(CHOICES)}")
     if choice != "auto":
         return choice == "sdpa"
-    return cpu_isa.cap() == "avx512" and bool(torch.cpu._is_amx_tile_supported())
+    return cpu_isa.cap() == "amx" and bool(torch.cpu._is_amx_tile_supported())
 
 
 def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, the last q_len positions

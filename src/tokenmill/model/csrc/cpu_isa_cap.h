@@ -1,6 +1,6 @@
 #pragma once
 // The most of the CPU's instruction sets a process lets its kernels use: TOKENMILL_CPU_ISA = baseline,
-// avx2 or avx512 (unset: all the CPU has). Every kernel's run-time ISA choice takes the lower of this
+// avx2, avx512 (AVX-512 without AMX) or amx (unset: all the CPU has). Every kernel's run-time ISA choice takes the lower of this
 // and what the CPU reports.
 //
 // Why: most CPUs people run models on have no AVX-512 (Intel's client chips since Alder Lake, AMD
@@ -15,15 +15,16 @@
 
 namespace tm_isa {
 
-enum Cap : int { kCapBaseline = 0, kCapAvx2 = 1, kCapAvx512 = 2 };
+enum Cap : int { kCapBaseline = 0, kCapAvx2 = 1, kCapAvx512 = 2, kCapAmx = 3 };
 
 inline int cap() {
   static const int value = [] {
     const char* s = std::getenv("TOKENMILL_CPU_ISA");
-    if (s == nullptr) return int{kCapAvx512};
+    if (s == nullptr) return int{kCapAmx};
     if (strcasecmp(s, "baseline") == 0) return int{kCapBaseline};
     if (strcasecmp(s, "avx2") == 0) return int{kCapAvx2};
-    return int{kCapAvx512};
+    if (strcasecmp(s, "avx512") == 0) return int{kCapAvx512};
+    return int{kCapAmx};
   }();
   return value;
 }

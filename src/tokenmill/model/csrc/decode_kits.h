@@ -15,7 +15,7 @@
 // rope, silu_mul, store_row (a K or V row into a cache), isa / attention (the attention variant and
 // the plan's lanes).
 //
-// Needs fused_ops.h, paged_attention.h, quant_vnni.h and quant_avx2.h included first.
+// Needs fused_ops.h, paged_attention.h, quant_vnni.h, quant_amx.h and quant_avx2.h included first.
 
 #include <immintrin.h>
 
@@ -29,16 +29,23 @@ enum KitId : int64_t { kKitAvx512 = 0, kKitAvx2 = 1 };
 
 struct Avx512Kit {
   static constexpr const char* kName = "AVX512-VNNI";
+  static constexpr bool kAmxTiles = true;  // steps of many rows on AMX tiles where the CPU has them
 
   static bool supported() { return tm_fused::use_avx512() && tm_vnni::vnni_supported(); }
 
+  // All of a's rows on the AMX tiles where a carries them split (make_scratch: a step of
+  // tm_amx::kAmxMinRows+ rows on a CPU with AMX), the VNNI kernel otherwise (an expert's rows).
   static void blocks(const tm_vnni::Weights& w, const tm_vnni::Acts& a, int64_t m0, int64_t m1, int64_t N,
                      int64_t nb0, int64_t nb1, float* y) {
-    tm_vnni::blocks<kTerms>(w, a, m0, m1, N, nb0, nb1, y);
+    if (a.split.hi != nullptr && m0 == 0 && m1 == a.M) tm_amx::blocks(w, a.split, a.M, nb0, nb1, y, N);
+    else tm_vnni::blocks<kTerms>(w, a, m0, m1, N, nb0, nb1, y);
   }
 
+  // The rows' int8 terms, and their bf16 terms where a carries a split (the thread of the last rows
+  // zeroes the padding to whole tiles).
   static void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, const tm_vnni::Acts& a) {
     tm_vnni::quantize_rows<kTerms>(x, K, m0, m1, a);
+    if (a.split.hi != nullptr) tm_amx::split_into(x, m0, m1 == a.M ? a.split.Mp : m1, a.M, a.split);
   }
 
   // Groups [g0, g1) of row m of a G-group row rounded into a (x: the row's values from group g0), by
@@ -100,6 +107,7 @@ struct Avx512Kit {
 
 struct Avx2Kit {
   static constexpr const char* kName = "AVX2";
+  static constexpr bool kAmxTiles = false;
 
   static bool supported() { return tm_fused::use_avx2() && tm_avx2::avx2_supported(); }
 

@@ -136,13 +136,18 @@ struct Scratch {
 };
 
 inline Scratch make_scratch(const StackBase& s, int64_t T, int64_t partial_size, bool zero_rows,
-                            const at::TensorOptions& options) {
+                            const at::TensorOptions& options, bool amx_kit) {
   const int64_t max_k = std::max({s.hidden, s.inter, s.nq * s.hd}), qkv_n = (s.nq + 2 * s.nkv) * s.hd;
   const int64_t n_h = T * s.hidden, n_qkv = T * qkv_n, n_q = T * s.nq * s.hd, n_k = T * s.nkv * s.hd,
                 n_gu = T * 2 * s.inter, n_act = T * s.inter, n_acts = tm_vnni::acts_floats(T, max_k, kTerms);
   const int64_t n_zero = zero_rows ? n_h : 0;
+  // A step of enough rows on a kit that runs AMX tiles where the CPU has them (Avx512Kit) also
+  // splits its rows for them (quant_amx.h).
+  const bool split = amx_kit && T >= tm_amx::kAmxMinRows && tm_amx::amx_ready();
+  const int64_t n_split = split ? tm_amx::split_floats(T, max_k) + 16 : 0;
   Scratch b;
-  b.buffer = at::empty({2 * n_h + n_zero + n_qkv + 2 * n_q + n_k + n_gu + n_act + n_acts + partial_size + 16}, options);
+  b.buffer = at::empty({2 * n_h + n_zero + n_qkv + 2 * n_q + n_k + n_gu + n_act + n_acts + partial_size + n_split + 16},
+                       options);
   b.h = b.buffer.data_ptr<float>();  // normed input of the next linear
   b.delta = b.h + n_h;  // o_proj's, then down's output
   b.zero = zero_rows ? b.delta + n_h : nullptr;
@@ -158,6 +163,13 @@ inline Scratch make_scratch(const StackBase& s, int64_t T, int64_t partial_size,
   b.a_hidden = tm_vnni::make_acts(acts_base, T, s.hidden, kTerms);
   b.a_attn = tm_vnni::make_acts(acts_base, T, s.nq * s.hd, kTerms);
   b.a_inter = tm_vnni::make_acts(acts_base, T, s.inter, kTerms);
+  if (split) {  // 64-byte aligned for the tile loads' rows
+    const uintptr_t at = reinterpret_cast<uintptr_t>(acts_base + n_acts);
+    float* split_base = reinterpret_cast<float*>((at + 63) & ~uintptr_t{63});
+    b.a_hidden.split = tm_amx::make_split(split_base, T, s.hidden);
+    b.a_attn.split = tm_amx::make_split(split_base, T, s.nq * s.hd);
+    b.a_inter.split = tm_amx::make_split(split_base, T, s.inter);
+  }
   return b;
 }
 

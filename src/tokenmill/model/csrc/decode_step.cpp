@@ -18,6 +18,7 @@
 
 #include "fused_ops.h"
 #include "paged_attention.h"
+#include "quant_amx.h"
 #include "quant_avx2.h"
 #include "quant_vnni.h"
 #include "decode_phases.h"
@@ -181,7 +182,7 @@ struct DecodeStack : tm_step::StackBase {
     for (const Layer& l : layers) TORCH_CHECK(l.gate_up.N > 0 || l.moe >= 0, "a layer has no MLP");
     tm_moe::Scratch moe_scratch;
     if (!moe_blocks.empty()) tm_moe::reserve(moe_scratch, moe_blocks, T, hidden, kTerms);
-    tm_step::Scratch s = tm_step::make_scratch(*this, T, plan.partial_size, true, x.options());
+    tm_step::Scratch s = tm_step::make_scratch(*this, T, plan.partial_size, true, x.options(), Kit::kAmxTiles);
     float* xp = x.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const float* cp = cos.data_ptr<float>();

@@ -7,6 +7,7 @@
 
 #include <immintrin.h>
 
+#include "quant_amx_acts.h"
 #include "quant_blocks.h"
 
 #include <cmath>
@@ -26,6 +27,9 @@ struct Acts {
   int32_t* msum;
   float* hqsum;      // [G, M, 2] qsum of each half (the min term of sub-blocks of 16)
   int64_t M;
+  // The same rows as two bf16 terms for the AMX tiles, where a fused step of enough rows on a CPU
+  // with them has them (decode_kits.h rounds both); empty otherwise.
+  tm_amx::SplitActs split{};
 };
 
 // Ints of msum per group and row.

@@ -2,6 +2,7 @@
 
 #include "blocked_ops.h"
 #include "dense_out.h"
+#include "quant_amx.h"
 #include "quant_bf16.h"
 #include "quant_vnni.h"
 
@@ -11,9 +12,12 @@ using namespace tm_vnni;
 
 // y [M, N] = x @ W^T for weights side by side (one, or the parts of a fused linear: part i's column
 // blocks start at block0[i]; block0 ends with N / 16). x float32 [M, K], contiguous.
+// amx: steps of two terms and tm_amx::kAmxMinRows+ rows may run AMX-BF16 tiles instead (quant_amx.h),
+// where the CPU has them.
 at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
-                    int64_t terms) {
+                    int64_t terms, bool amx) {
   const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
+  if (amx && terms == 2 && M >= tm_amx::kAmxMinRows && tm_amx::amx_ready()) return tm_amx::multiply(x, w, block0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   at::Tensor scratch;
@@ -54,9 +58,17 @@ at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const st
 }
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                  const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms) {
+                  const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms, bool amx) {
   const at::Tensor x = checked_x(x_in, terms);
-  return multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, terms);
+  return multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, terms, amx);
+}
+
+// The same on AMX-BF16 tiles at any row count (tests and benchmarks; `linear` picks by rows).
+at::Tensor linear_amx(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                      const at::Tensor& subs, int64_t fmt, int64_t N) {
+  TORCH_CHECK(tm_amx::amx_ready(), "this process cannot run AMX-BF16 tiles");
+  const at::Tensor x = checked_x(x_in, 2);
+  return tm_amx::multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols});
 }
 
 // Several weights over the same x, outputs side by side in one y [M, sum N] (a fused q/k/v whose parts a
@@ -64,10 +76,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
 // and each part's blocks write their columns in place: one call instead of a call per part, the
 // rounding of each (30 us at 48 rows of K = 1536) and a concatenation of their outputs after.
 at::Tensor linear_parts(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef fmts, at::IntArrayRef Ns,
-                        int64_t terms) {
+                        int64_t terms, bool amx) {
   const at::Tensor x = checked_x(x_in, terms);
   const Parts parts = parts_of(weights, fmts, Ns, x.size(1), check);
-  return multiply(x, parts.w, parts.block0, terms);
+  return multiply(x, parts.w, parts.block0, terms, amx);
 }
 
 // The fp32 values of one block and group: scale * (code - offset) + min, rounded once as gguf-py
@@ -187,18 +199,25 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, co
 }
 
 bool supported() { return vnni_supported(); }
+bool amx_supported() { return vnni_supported() && tm_amx::amx_ready(); }
+int64_t amx_min_rows() { return tm_amx::kAmxMinRows; }
 
 }  // namespace
 
 TORCH_LIBRARY(tokenmill_vnni, m) {
-  m.def("linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int terms=2) -> Tensor",
+  m.def("linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int terms=2, "
+        "bool amx=True) -> Tensor",
         &linear);
-  m.def("linear_parts(Tensor x, Tensor[] weights, int[] fmts, int[] Ns, int terms=2) -> Tensor", &linear_parts);
+  m.def("linear_parts(Tensor x, Tensor[] weights, int[] fmts, int[] Ns, int terms=2, bool amx=True) -> Tensor", &linear_parts);
   m.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int K, Tensor ids) "
         "-> Tensor", &dequantize_rows);
   m.def("dequantize_bf16(Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int K) -> Tensor",
         &dequantize_bf16);
   m.def("dequantize_bf16_into(Tensor(a!) out, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, "
         "int K) -> ()", &dequantize_bf16_into);
+  m.def("linear_amx(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N) -> Tensor",
+        &linear_amx);
   m.def("supported() -> bool", &supported);
+  m.def("amx_supported() -> bool", &amx_supported);
+  m.def("amx_min_rows() -> int", &amx_min_rows);
 }

@@ -1,6 +1,6 @@
 """What this process lets its kernels use of the CPU, and whether the CPU multiplies bf16 natively.
 
-TOKENMILL_CPU_ISA (baseline, avx2 or avx512; unset: everything the CPU has) caps every C++ kernel's
+TOKENMILL_CPU_ISA (baseline, avx2, avx512 or amx; unset: everything the CPU has) caps every C++ kernel's
 run-time choice (csrc/cpu_isa_cap.h reads the same variable): it runs a machine with AVX-512 the way a
 CPU without it runs, which is how the AVX2 paths are tested and measured here. A value it does not
 know is an error that names it, not a silent default.
@@ -18,11 +18,11 @@ import os
 import torch
 
 ISA_ENV = "TOKENMILL_CPU_ISA"
-CAPS = ("baseline", "avx2", "avx512")
+CAPS = ("baseline", "avx2", "avx512", "amx")
 
 
 def cap() -> str:
-    """The cap TOKENMILL_CPU_ISA sets ("avx512", the highest, when unset)."""
+    """The cap TOKENMILL_CPU_ISA sets ("amx", the highest, when unset; "avx512" is AVX-512 without AMX)."""
     value = os.environ.get(ISA_ENV, "").strip().lower()
     if not value:
         return CAPS[-1]
@@ -34,6 +34,6 @@ def cap() -> str:
 @functools.cache
 def bf16_gemm_native() -> bool:
     """Whether bf16 GEMMs run on bf16 dot products here (AVX512-BF16 or AMX, and the cap allows AVX-512)."""
-    if cap() != "avx512":
+    if cap() not in ("avx512", "amx"):
         return False
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

@@ -57,9 +57,23 @@ def blocked_args(w: BlockedWeight) -> tuple:
     return (w.codes, w.scales, or_empty(w.mins), or_empty(w.subs), w.fmt, w.shape[0])
 
 
-def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2) -> torch.Tensor:
-    """terms: int8 terms per activation (2: ~15 bits, near fp32 quality; 1: llama.cpp's Q8)."""
+def amx_available() -> bool:
+    """Whether two-term steps of many rows run on AMX-BF16 tiles here (csrc/quant_amx.h)."""
+    return vnni_available() and bool(torch.ops.tokenmill_vnni.amx_supported())
+
+
+def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2, amx: bool = True) -> torch.Tensor:
+    """terms: int8 terms per activation (2: ~15 bits, near fp32 quality; 1: llama.cpp's Q8). amx=False
+    keeps two-term steps of many rows on the VNNI kernel where they would take AMX-BF16 tiles (tests of
+    the VNNI arithmetic)."""
+    if blocked_kernel() == "vnni":
+        return torch.ops.tokenmill_vnni.linear(x, *blocked_args(w), terms, amx)
     return _blocked_ops().linear(x, *blocked_args(w), terms)
+
+
+def blocked_linear_amx(x: torch.Tensor, w: BlockedWeight) -> torch.Tensor:
+    """x @ w.T on AMX-BF16 tiles at any row count (where amx_available())."""
+    return torch.ops.tokenmill_vnni.linear_amx(x, *blocked_args(w))
 
 
 def bound_blocked_linear(w: BlockedWeight, terms: int = 2):

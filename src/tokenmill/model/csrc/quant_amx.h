@@ -1,0 +1,269 @@
+#pragma once
+// Quantized linear layers on AMX-BF16 tiles for steps of many rows, y[M, N] = x[M, K] @ W^T, over
+// the same column-blocked weights and block decoders as the VNNI kernel (quant_vnni.h,
+// quant_blocks.h).
+//
+// Why: on the VNNI kernel a prompt step's 2-term activations cost 16 vpdpbusd a group, row and
+// block, and that is ~75 % of a 512-token prompt of the formats it runs (Q5_0, Q6_K, Q8_0, Q4_K, ...).
+// AMX multiplies a 16 x 32 bf16 tile by a 32 x 16 one in one instruction. A group's codes minus the
+// format's offset are small integers (-128..255) that bf16 holds exactly, and the activations go in
+// as two bf16 terms (hi = bf16(x), lo = bf16(x - hi): ~16 bits), so each group's 16 x 16 sums are
+// two `tdpbf16ps` into an fp32 tile, scaled by the group's 16 column scales (and its mins times the
+// rows' sums of x) into fp32 results on the vector units, as the VNNI tiles scale their int32 sums.
+// Nothing is rounded but the activations' ~16 bits and fp32 sums: closer to the float64 product than
+// the VNNI kernel's two int8 terms (~15 bits), and oneDNN's bf16 GEMM over dequantized weights
+// (8-bit weights, activations and outputs) is what the formats with more than 4-bit codes failed
+// the quality bound on.
+//
+// Layout: a block's codes are decoded once per call into AMX's B layout (per group of 32 inputs:
+// 16 rows of 16 columns x 2 consecutive inputs, 1 kB), a chunk of blocks at a time so that it stays
+// in L2 while every 16-row tile of the step runs over it. Formats with two sub-blocks a group
+// (Q2_K, Q3_K, Q6_K) take each half as a unit of 16 inputs with its own scale. Two sets of tiles
+// alternate between units, so that a unit's sums are stored while the next one's multiply.
+// Linux hands a process the tile registers only when asked (arch_prctl): amx_ready() asks once.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "cpu_isa_cap.h"
+#include "quant_amx_acts.h"
+#include "quant_blocks.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace tm_amx {
+
+using tm_vnni::kCols;
+using tm_vnni::kGroup;
+using tm_vnni::Weights;
+
+// Whether this process may run AMX-BF16 tiles: the CPU has them, TOKENMILL_CPU_ISA allows them, and
+// the kernel granted the tile data state.
+inline bool amx_ready() {
+#if defined(__x86_64__)
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    if (!tm_isa::allows(tm_isa::kCapAmx) || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+        !__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vnni"))
+      return false;
+    constexpr long kReqPerm = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// A tile configuration (the `ldtilecfg` operand): palette 1, tile i of rows[i] x colsb[i] bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3 and 4-7: two sets of (sums C, A hi, A lo, B) for units of W inputs (32, or 16 for the
+// formats with two sub-blocks a group).
+template <int W>
+TA_TARGET TA_INLINE void configure() {
+  TileConfig c{};
+  c.palette_id = 1;
+  for (int s = 0; s < 2; ++s) {
+    c.rows[4 * s + 0] = 16, c.colsb[4 * s + 0] = 64;         // C: 16 rows x 16 fp32
+    c.rows[4 * s + 1] = 16, c.colsb[4 * s + 1] = 2 * W;      // A hi: 16 rows x W bf16
+    c.rows[4 * s + 2] = 16, c.colsb[4 * s + 2] = 2 * W;      // A lo
+    c.rows[4 * s + 3] = W / 2, c.colsb[4 * s + 3] = 64;      // B: W / 2 pairs of inputs x 16 columns
+  }
+  _tile_loadconfig(&c);
+}
+
+// A group's codes minus the offset as bf16 in B's layout: row i holds inputs 2 i, 2 i + 1 of the 16
+// columns (dword c = column c). Quad j (inputs 4 j .. 4 j + 3; byte 4 c + e) gives rows 2 j, 2 j + 1.
+template <class D>
+TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b) {
+  __m512i q[8];
+  tm_vnni::pair<D, 0>(p, q[0], q[4]);
+  tm_vnni::pair<D, 1>(p, q[1], q[5]);
+  tm_vnni::pair<D, 2>(p, q[2], q[6]);
+  tm_vnni::pair<D, 3>(p, q[3], q[7]);
+  const __m512i off = _mm512_set1_epi32(D::kOffset);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    __m512 v[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // columns 4 i .. 4 i + 3, lane 4 c + e
+      const __m128i bytes = i == 0 ? _mm512_extracti32x4_epi32(q[j], 0) : i == 1 ? _mm512_extracti32x4_epi32(q[j], 1)
+                            : i == 2 ? _mm512_extracti32x4_epi32(q[j], 2) : _mm512_extracti32x4_epi32(q[j], 3);
+      v[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), off));
+    }
+    // dword 2 c' + h of lo8 / hi8: column c' (of 0-7 / 8-15), inputs 4 j + 2 h, + 1
+    const __m512i lo8 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+    const __m512i hi8 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
+    _mm512_storeu_si512(b + (2 * j) * 32, _mm512_permutex2var_epi32(lo8, even, hi8));
+    _mm512_storeu_si512(b + (2 * j + 1) * 32, _mm512_permutex2var_epi32(lo8, odd, hi8));
+  }
+}
+
+// One column block's B tiles (G kB) and its scales and mins per unit ([units, 16] fp32 each).
+template <class D>
+TA_TARGET void decode_block(const Weights& w, int64_t nb, uint16_t* b, float* sc, float* mn) {
+  const bool has_min = D::has_min(w);
+  for (int64_t g = 0; g < w.G; ++g) {
+    decode_group_b<D>(w.codes + (nb * w.G + g) * D::kBits * 64, b + g * 512);
+    __m512 s[D::kSubs], m[D::kSubs];
+    D::scales(w, nb, g, s);
+    if (has_min) D::mins(w, nb, g, m);
+    for (int h = 0; h < D::kSubs; ++h) {
+      _mm512_storeu_ps(sc + (g * D::kSubs + h) * kCols, s[h]);
+      _mm512_storeu_ps(mn + (g * D::kSubs + h) * kCols, has_min ? m[h] : _mm512_setzero_ps());
+    }
+  }
+}
+
+// acc[r] += the stored unit sums of row r * the unit's scales (+ its mins * the row's sum of x).
+template <bool HasMin>
+TA_TARGET TA_INLINE void scale_unit(__m512 (&acc)[kTileRows], const float* c, const float* sc, const float* mn,
+                                    const float* sums, int64_t sum_stride) {
+  const __m512 s = _mm512_loadu_ps(sc);
+  if constexpr (HasMin) {
+    const __m512 m = _mm512_loadu_ps(mn);
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r)
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * sum_stride]), _mm512_fmadd_ps(_mm512_load_ps(c + 16 * r), s, acc[r]));
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * r), s, acc[r]);
+  }
+}
+
+// A unit's two products into one set of tiles (sums C, A hi, A lo, B: literal tile numbers, which
+// the instructions encode).
+#define TA_UNIT_MULTIPLY(C, AH, AL, B, A_HI, A_LO, B_PTR, STRIDE) \
+  do {                                                         \
+    _tile_loadd(AH, A_HI, STRIDE);                             \
+    _tile_loadd(B, B_PTR, 64);                                 \
+    _tile_zero(C);                                             \
+    _tile_dpbf16ps(C, AH, B);                                  \
+    _tile_loadd(AL, A_LO, STRIDE);                             \
+    _tile_dpbf16ps(C, AL, B);                                  \
+  } while (0)
+#define TA_SET0(A_HI, A_LO, B_PTR, STRIDE) TA_UNIT_MULTIPLY(0, 1, 2, 3, A_HI, A_LO, B_PTR, STRIDE)
+#define TA_SET1(A_HI, A_LO, B_PTR, STRIDE) TA_UNIT_MULTIPLY(4, 5, 6, 7, A_HI, A_LO, B_PTR, STRIDE)
+
+// One 16-row tile (rows m0.., all 16 in x's padding) x one column block: the rows' results in y
+// (only its `rows` real ones). b, sc, mn: the block's decode_block output.
+template <int W, bool HasMin>
+TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t units, const uint16_t* b, const float* sc,
+                          const float* mn, float* y, int64_t ldy) {
+  alignas(64) float c[2][kTileRows * kCols];
+  __m512 acc[kTileRows];
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t K = a.K, stride = K * 2;
+  const uint16_t* hi = a.hi + m0 * K;
+  const uint16_t* lo = a.lo + m0 * K;
+  const float* sums = (W == 16 ? a.sum16 : a.sum32) + m0 * (K / W);
+  const int64_t sum_stride = K / W;
+  constexpr int64_t kUnitB = W * 16;  // bf16 values of B a unit
+  int64_t u = 0;
+  for (; u + 1 < units; u += 2) {
+    TA_SET0(hi + u * W, lo + u * W, b + u * kUnitB, stride);
+    if (u > 0) {  // the previous pair's second unit, multiplied while the first one was
+      _tile_stored(4, c[1], 64);
+      scale_unit<HasMin>(acc, c[1], sc + (u - 1) * kCols, mn + (u - 1) * kCols, sums + (u - 1), sum_stride);
+    }
+    TA_SET1(hi + (u + 1) * W, lo + (u + 1) * W, b + (u + 1) * kUnitB, stride);
+    _tile_stored(0, c[0], 64);
+    scale_unit<HasMin>(acc, c[0], sc + u * kCols, mn + u * kCols, sums + u, sum_stride);
+  }
+  if (u > 0) {
+    _tile_stored(4, c[1], 64);
+    scale_unit<HasMin>(acc, c[1], sc + (u - 1) * kCols, mn + (u - 1) * kCols, sums + (u - 1), sum_stride);
+  }
+  if (u < units) {  // an odd unit count's last
+    TA_SET0(hi + u * W, lo + u * W, b + u * kUnitB, stride);
+    _tile_stored(0, c[0], 64);
+    scale_unit<HasMin>(acc, c[0], sc + u * kCols, mn + u * kCols, sums + u, sum_stride);
+  }
+  for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+#undef TA_SET0
+#undef TA_SET1
+#undef TA_UNIT_MULTIPLY
+
+// Decoded B of this many bytes at most per chunk of blocks (with its scales): stays in L2 while the
+// step's row tiles run over it.
+constexpr int64_t kChunkBytes = 256 * 1024;
+
+// Blocks nb0..nb1 of one weight x all of a's rows, into y's columns (ldy = y's row length).
+template <class D>
+TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
+  constexpr int W = kGroup / D::kSubs;
+  const int64_t units = w.G * D::kSubs;
+  const int64_t block_bytes = w.G * 1024 + 2 * units * kCols * 4;
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
+  thread_local std::vector<uint16_t> bbuf;
+  thread_local std::vector<float> sbuf;
+  bbuf.resize(static_cast<size_t>(chunk * w.G * 512));
+  sbuf.resize(static_cast<size_t>(chunk * 2 * units * kCols));
+  configure<W>();
+  const bool has_min = D::has_min(w);
+  for (int64_t c0 = nb0; c0 < nb1; c0 += chunk) {
+    const int64_t c1 = std::min(nb1, c0 + chunk);
+    for (int64_t nb = c0; nb < c1; ++nb) {
+      float* s = sbuf.data() + (nb - c0) * 2 * units * kCols;
+      decode_block<D>(w, nb, bbuf.data() + (nb - c0) * w.G * 512, s, s + units * kCols);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, M - m0);
+      for (int64_t nb = c0; nb < c1; ++nb) {
+        const uint16_t* b = bbuf.data() + (nb - c0) * w.G * 512;
+        const float* s = sbuf.data() + (nb - c0) * 2 * units * kCols;
+        float* yt = y + m0 * ldy + nb * kCols;
+        if (has_min) tile_block<W, true>(a, m0, rows, units, b, s, s + units * kCols, yt, ldy);
+        else tile_block<W, false>(a, m0, rows, units, b, s, s + units * kCols, yt, ldy);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// Blocks nb0..nb1 of one weight of any format x all M rows of a (ldy = y's row length).
+inline void blocks(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
+  tm_vnni::with_decoder(w.fmt, [&]<class D>() { blocks_of<D>(w, a, M, nb0, nb1, y, ldy); });
+}
+
+// y [M, N] = x @ W^T for weights side by side (quant_vnni.cpp `multiply`'s parts), on AMX tiles.
+inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0) {
+  const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  at::Tensor scratch = at::empty({split_floats(M, K)}, x.options());
+  const SplitActs a = make_split(scratch.data_ptr<float>(), M, K);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, a.Mp, kTileRows, [&](int64_t m0, int64_t m1) { split_into(xp, m0, m1, M, a); });
+  float* yp = y.data_ptr<float>();
+  // Threads take column blocks (every thread reads all rows' activations from L2 / L3, which a
+  // 512-row step of K = 1536 holds in 3 MB; each decodes only its own blocks).
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (size_t i = 0; i < w.size(); ++i) {
+      const int64_t lo = std::max(b0, block0[i]), hi = std::min(b1, block0[i + 1]);
+      if (lo < hi) blocks(w[i], a, M, lo - block0[i], hi - block0[i], yp + block0[i] * kCols, N);
+    }
+  });
+  return y;
+}
+
+}  // namespace tm_amx

@@ -1,0 +1,89 @@
+#pragma once
+// Activations as the AMX-BF16 tiles take them (quant_amx.h): each row as two bf16 terms, hi = bf16(x)
+// and lo = bf16(x - hi) (~16 bits), in AMX's A layout (bf16 [Mp, K], rows padded with zeros to whole
+// tiles of 16), and the rows' fp32 sums per 16 and per 32 inputs (the formats' min terms).
+//
+// Why a file of its own: the op-by-op linear (quant_amx.h `multiply`) and the fused decode step's kit
+// (decode_kits.h, which rounds a step's rows once for every linear that reads them) fill the same
+// layout, and the VNNI activations (quant_acts.h) carry it beside their int8 terms.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace tm_amx {
+
+#define TA_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,f16c,fma,amx-tile,amx-bf16")))
+#define TA_INLINE inline __attribute__((always_inline))
+
+constexpr int64_t kTileRows = 16;
+
+// From how many rows two-term steps run on the tiles where the CPU has them: measured against the
+// VNNI kernel on SmolLM2's and the MoE's shapes, 2 threads (docs/benchmarks.md, "AMX-BF16 tiles"):
+// about even from 16 to 48 rows, 1.1-1.45x at 64, 1.5-2x at 512.
+constexpr int64_t kAmxMinRows = 48;
+
+// Rows of x in AMX's A layout: bf16 [Mp, K] twice (hi, lo), and the sums of x per 16 and per 32
+// inputs (the min terms), Mp = M rounded up to whole tiles, the padding rows zero.
+struct SplitActs {
+  uint16_t* hi = nullptr;  // null: not split (the tiles do not run)
+  uint16_t* lo = nullptr;
+  float* sum16 = nullptr;  // [Mp, K / 16]
+  float* sum32 = nullptr;  // [Mp, K / 32]
+  int64_t Mp = 0, K = 0;
+};
+
+// Rows m0..m1 of x [M, K] as split_into lays them out (rows from M on: zeros).
+TA_TARGET inline void split_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int64_t M, uint16_t* hi, uint16_t* lo,
+                                 float* s16, float* s32) {
+  for (int64_t m = m0; m < m1; ++m) {
+    uint16_t* h = hi + m * K;
+    uint16_t* l = lo + m * K;
+    if (m >= M) {
+      std::memset(h, 0, K * 2);
+      std::memset(l, 0, K * 2);
+      std::fill(s16 + m * (K / 16), s16 + (m + 1) * (K / 16), 0.f);
+      std::fill(s32 + m * (K / 32), s32 + (m + 1) * (K / 32), 0.f);
+      continue;
+    }
+    const float* xr = x + m * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512 a = _mm512_loadu_ps(xr + k), b = _mm512_loadu_ps(xr + k + 16);
+      const __m512bh ab = _mm512_cvtne2ps_pbh(b, a);
+      // hi's values back in fp32 (bf16 is fp32's upper half), the residual exact in fp32
+      const __m512i abi = (__m512i)ab;
+      const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(abi)), 16));
+      const __m512 hb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(abi, 1)), 16));
+      const __m512bh rl = _mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha));
+      _mm512_storeu_si512(h + k, abi);
+      _mm512_storeu_si512(l + k, (__m512i)rl);
+      const float sa = _mm512_reduce_add_ps(a), sb = _mm512_reduce_add_ps(b);
+      s16[m * (K / 16) + k / 16] = sa;
+      s16[m * (K / 16) + k / 16 + 1] = sb;
+      s32[m * (K / 32) + k / 32] = sa + sb;
+    }
+  }
+}
+
+// Floats of scratch that M rows of K inputs take split (make_split's layout).
+inline int64_t split_floats(int64_t M, int64_t K) {
+  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  return Mp * K + Mp * (K / 16 + K / 32);  // hi and lo: two bf16 a value, one float
+}
+
+// The split of M rows of K inputs laid out in `base` (split_floats(M, K) floats, 64-byte aligned).
+inline SplitActs make_split(float* base, int64_t M, int64_t K) {
+  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  uint16_t* hi = reinterpret_cast<uint16_t*>(base);
+  float* sums = base + Mp * K;
+  return SplitActs{hi, hi + Mp * K, sums, sums + Mp * (K / 16), Mp, K};
+}
+
+// Rows m0..m1 of x [M, K] into a (rows from M on: zeros).
+TA_TARGET inline void split_into(const float* x, int64_t m0, int64_t m1, int64_t M, const SplitActs& a) {
+  split_rows(x, a.K, m0, m1, M, a.hi, a.lo, a.sum16, a.sum32);
+}
+
+}  // namespace tm_amx

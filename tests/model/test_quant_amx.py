@@ -1,0 +1,98 @@
+"""The AMX-BF16 tiles for steps of many rows (csrc/quant_amx.h), on random block bytes of every GGUF
+format the blocked kernels read: within the rounding of two bf16 activation terms of a float64
+product, whatever the row count (tiles of 16 with padding), unit count (odd, halves of sub-blocks)
+and threads; the rows from which `linear` takes them; the parts of a fused linear; and the cap that
+turns them off. Skipped where the CPU (or TOKENMILL_CPU_ISA) has no AMX."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.model.test_block_decoders import TYPES, weight, width
+from tokenmill.model.kernels import quant_kernel
+
+pytestmark = pytest.mark.skipif(not quant_kernel.amx_available(), reason="no AMX-BF16 here")
+
+
+def amx_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|tiles - x @ w.T| bound [M, N]. x = hi + lo + r with hi = bf16(x), lo = bf16(x - hi): |r| <=
+    2^-16 |x| (lo keeps 8 bits of a residual <= 2^-8 |x|); the codes minus their offset are exact in
+    bf16 and the tile's products exact in fp32. Then fp32 rounding: each group's tile sum, its scaling
+    (a multiply-add by the scale, one by the min times the row's fp32 sum of x) and the accumulation
+    over G groups, (G + 10) units of 2^-24 of sum |w x| (x4 for the min terms, of the weights' size)."""
+    g = x.shape[1] // 32
+    absprod = x.double().abs() @ w.double().abs().T
+    return 2.0**-16 * absprod * 1.01 + (g + 10) * 2.0**-24 * 4 * absprod + 1e-30
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("rows", [1, 16, 17, 50])
+def test_tiles_within_two_bf16_terms_of_the_exact_product(kind, rows):
+    k = width(kind, 96, 512)  # 3 groups (an odd unit count) for 32-wide blocks, 2 super-blocks
+    bw, ref, _ = weight(kind, 48, k, seed=rows)
+    x = torch.randn(rows, k)
+    x[0, :32] = 0  # a group of zeros
+    ref = torch.as_tensor(ref)
+    exact = x.double() @ ref.double().T
+    got = quant_kernel.blocked_linear_amx(x, bw).double()
+    assert ((got - exact).abs() <= amx_bound(x, ref)).all()
+    # and closer than the VNNI kernel's two int8 terms on the whole
+    vnni = quant_kernel.blocked_linear(x, bw, amx=False).double()
+    assert (got - exact).abs().sum() < 0.5 * (vnni - exact).abs().sum()
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q6_K", "Q4_K"])
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(kind):
+    k = width(kind, 128, 256)
+    bw, _, _ = weight(kind, 256, k)
+    x = torch.randn(70, k)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant_kernel.blocked_linear_amx(x, bw)
+        torch.set_num_threads(2)
+        two = quant_kernel.blocked_linear_amx(x, bw)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    for i in (0, 15, 16, 69):  # first / last of a tile, a tile's first, the padded tile's only row
+        assert torch.equal(quant_kernel.blocked_linear_amx(x[i : i + 1], bw)[0], two[i])
+
+
+def test_linear_takes_the_tiles_from_their_row_count():
+    bw, _, _ = weight("Q8_0", 64, 128)
+    first = int(torch.ops.tokenmill_vnni.amx_min_rows())
+    x = torch.randn(first, 128)
+    assert torch.equal(quant_kernel.blocked_linear(x, bw), quant_kernel.blocked_linear_amx(x, bw))
+    fewer = x[: first - 1]
+    assert torch.equal(quant_kernel.blocked_linear(fewer, bw), quant_kernel.blocked_linear(fewer, bw, amx=False))
+    assert not torch.equal(quant_kernel.blocked_linear_amx(fewer, bw), quant_kernel.blocked_linear(fewer, bw, amx=False))
+    # one int8 term stays on the VNNI kernel at any row count
+    assert torch.equal(quant_kernel.blocked_linear(x, bw, terms=1), quant_kernel.blocked_linear(x, bw, terms=1, amx=False))
+
+
+def test_parts_of_a_fused_linear_in_different_formats_write_their_own_columns():
+    k = 256
+    parts = [weight(kind, n, k, seed=i)[0] for i, (kind, n) in enumerate([("Q4_K", 64), ("Q6_K", 32), ("Q8_0", 48)])]
+    x = torch.randn(64, k)
+    fused = quant_kernel.bound_blocked_linear_parts(parts)(x)
+    assert torch.equal(fused, torch.cat([quant_kernel.blocked_linear_amx(x, w) for w in parts], dim=1))
+
+
+def test_the_cap_below_amx_turns_the_tiles_off():
+    code = ("import torch; from tokenmill.model.kernels import quant_kernel as q; "
+            "print(q.vnni_available(), q.amx_available())")
+    env = {**os.environ, "TOKENMILL_CPU_ISA": "avx512"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]
+    with pytest.raises(RuntimeError, match="AMX"):
+        env_code = ("import torch; from tests.model.test_block_decoders import weight; "
+                    "from tokenmill.model.kernels import quant_kernel as q; "
+                    "q.blocked_linear_amx(torch.randn(2, 32), weight('Q8_0', 16, 32)[0])")
+        run = subprocess.run([sys.executable, "-c", env_code], env=env, capture_output=True, text=True)
+        raise RuntimeError(run.stderr[-400:]) if run.returncode else AssertionError("ran without AMX")
