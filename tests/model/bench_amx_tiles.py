@@ -42,8 +42,8 @@ def main() -> None:
         cells = []
         for rows in args.rows:
             x = torch.randn(rows, k)
-            vnni = median_ms(lambda: quant_kernel.blocked_linear(x, w, amx=False))
-            amx = median_ms(lambda: quant_kernel.blocked_linear_amx(x, w))
+            vnni = median_ms(lambda x=x, w=w: quant_kernel.blocked_linear(x, w, amx=False))
+            amx = median_ms(lambda x=x, w=w: quant_kernel.blocked_linear_amx(x, w))
             cells.append(f"{rows}: {vnni:.3f} / {amx:.3f} = {vnni / amx:.2f}x")
         print(f"{kind} {n} x {k} (VNNI / AMX ms)  " + "   ".join(cells))
 
