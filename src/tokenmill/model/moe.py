@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.kernels import fused_ops
 from tokenmill.model.layers.factory import LayerPolicy, make_linear
 from tokenmill.model.llama import DecoderLayer, LlamaForCausalLM
 from tokenmill.model.moe_config import expert_weight_names, router_name
@@ -30,7 +31,10 @@ class Expert:
         self.gate_up = make_linear([gate, up], None, policy)
         self.down = make_linear([down], None, policy)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """`fused`: SiLU(gate) * up in one pass (fast mode's fused op), else transformers' two ops."""
+        if fused:
+            return self.down(fused_ops.silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -62,25 +66,28 @@ class SparseMoE:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         return top_w.to(x.dtype), top_i
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         top_w, top_i = self.route(x)
         k = self.moe.top_k
         flat = top_i.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
         tokens = order // k
-        weights = top_w.reshape(-1)[order]
+        weights = top_w.reshape(-1)[order, None]
         out = torch.zeros_like(x)
         start = 0
         for expert, count in zip(self.experts, counts):
             if count:
-                rows = tokens[start:start + count]
-                y = expert(x[rows]) * weights[start:start + count, None]
+                end = start + count
+                rows = tokens[start:end]
+                # weighted in place while in cache (a product into a new tensor cost ~2x), added to
+                # its tokens' rows in ascending expert order, as transformers adds them
+                y = expert(x[rows], fused).mul_(weights[start:end])
                 out.index_add_(0, rows, y.to(out.dtype))
-                start += count
+                start = end
         if self.shared is not None:
             gate = torch.sigmoid(F.linear(x.float(), self.shared_gate)).to(x.dtype)
-            out = out + gate * self.shared(x)
+            out = out + gate * self.shared(x, fused)
         return out
 
     def linears(self) -> list:
@@ -99,14 +106,14 @@ class MoEDecoderLayer(DecoderLayer):
         # expert holds a slice of its width and this is the all-reduce of the partial sums.
         self.combine: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        out = self.moe_block(h)
+    def mlp(self, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        out = self.moe_block(h, fused)
         return out if self.combine is None else self.combine(out)
 
     def mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
         # Steps of many rows hand the MLP bf16 rows (a dense MLP's GEMMs run bf16 there), but each
         # expert sees only its share of them, few enough for the packed kernel, which takes fp32.
-        return self.mlp(h.float()).to(h.dtype)
+        return self.mlp(h.float(), fused=True).to(h.dtype)
 
     def mlp_parts(self) -> dict[str, object]:
         first = self.moe_block.experts[0]
