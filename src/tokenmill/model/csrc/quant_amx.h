@@ -48,7 +48,7 @@ using tm_vnni::Weights;
 // Whether this process may run AMX-BF16 tiles: the CPU has them, TOKENMILL_CPU_ISA allows them, and
 // the kernel granted the tile data state.
 inline bool amx_ready() {
-#if defined(__x86_64__)
+#if TM_AMX_COMPILES
   static const bool yes = [] {
     __builtin_cpu_init();
     if (!tm_isa::allows(tm_isa::kCapAmx) || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
@@ -63,6 +63,7 @@ inline bool amx_ready() {
 #endif
 }
 
+#if TM_AMX_COMPILES
 // A tile configuration (the `ldtilecfg` operand): palette 1, tile i of rows[i] x colsb[i] bytes.
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -248,6 +249,10 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
 inline void blocks(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
   tm_vnni::with_decoder(w.fmt, [&]<class D>() { blocks_of<D>(w, a, M, nb0, nb1, y, ldy); });
 }
+
+#else
+inline void blocks(const Weights&, const SplitActs&, int64_t, int64_t, int64_t, float*, int64_t) {}
+#endif  // TM_AMX_COMPILES
 
 // y [M, N] = x @ W^T for weights side by side (quant_vnni.cpp `multiply`'s parts), on AMX tiles.
 inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0) {

@@ -15,6 +15,15 @@
 
 namespace tm_amx {
 
+// Compilers that know AMX's intrinsics (GCC 11, clang 12 on). Built with another, the tiles are never
+// ready (quant_amx.h `amx_ready`) and the VNNI kernel runs every step.
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define TM_AMX_COMPILES 1
+#else
+#define TM_AMX_COMPILES 0
+#endif
+
 #define TA_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,f16c,fma,amx-tile,amx-bf16")))
 #define TA_INLINE inline __attribute__((always_inline))
 
@@ -35,6 +44,7 @@ struct SplitActs {
   int64_t Mp = 0, K = 0;
 };
 
+#if TM_AMX_COMPILES
 // Rows m0..m1 of x [M, K] as split_into lays them out (rows from M on: zeros).
 TA_TARGET inline void split_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int64_t M, uint16_t* hi, uint16_t* lo,
                                  float* s16, float* s32) {
@@ -66,6 +76,9 @@ TA_TARGET inline void split_rows(const float* x, int64_t K, int64_t m0, int64_t 
     }
   }
 }
+#else
+inline void split_rows(const float*, int64_t, int64_t, int64_t, int64_t, uint16_t*, uint16_t*, float*, float*) {}
+#endif
 
 // Floats of scratch that M rows of K inputs take split (make_split's layout).
 inline int64_t split_floats(int64_t M, int64_t K) {
@@ -82,7 +95,7 @@ inline SplitActs make_split(float* base, int64_t M, int64_t K) {
 }
 
 // Rows m0..m1 of x [M, K] into a (rows from M on: zeros).
-TA_TARGET inline void split_into(const float* x, int64_t m0, int64_t m1, int64_t M, const SplitActs& a) {
+inline void split_into(const float* x, int64_t m0, int64_t m1, int64_t M, const SplitActs& a) {
   split_rows(x, a.K, m0, m1, M, a.hi, a.lo, a.sum16, a.sum32);
 }
 
