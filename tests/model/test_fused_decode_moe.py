@@ -106,3 +106,24 @@ def test_experts_of_mixed_types_stay_op_by_op(tmp_path):
     path, _ = write_moe_gguf(folder, tmp_path / "mixed.gguf", lambda name: "Q8_0" if "w3" in name else "Q4_0")
     model = runner_for(path).model
     assert moe_binding(model.layers[0]) is None and not model.fused_decode
+
+
+def test_a_step_of_many_rows_matches_the_layers_op_by_op(moe_gguf):
+    # 64 rows: on a CPU with AMX the step's attention linears and the shared expert's gate_up take the
+    # tiles from their rows split once; the normed inputs keep their int8 terms too, which the experts
+    # gather and multiply on the VNNI kernel, where op by op an expert (or the shared expert's down) of
+    # 48+ rows takes the tiles: the two agree to the int8 terms' rounding (measured 2.4e-4 of the
+    # largest logit, so 1e-3 here; a wrong row or expert is of the logits' own size)
+    runner = runner_for(moe_gguf)
+    model = runner.model
+    chunk = [SeqChunk(ids(64, 7), 0, list(range(-(-64 // runner.page_size))), sample=True, all_logits=True)]
+    model._decode_stack = None
+    fused = runner.execute(chunk)
+    assert model._decode_stack is not None
+    model.fused_decode = False
+    try:
+        eager = runner.execute(chunk)
+    finally:
+        model.fused_decode = True
+    torch.testing.assert_close(fused, eager, atol=1e-3 * eager.abs().max().item(), rtol=1e-4)
+    assert (fused.argmax(-1) == eager.argmax(-1)).float().mean() > 0.95

@@ -41,10 +41,10 @@ struct Avx512Kit {
     else tm_vnni::blocks<kTerms>(w, a, m0, m1, N, nb0, nb1, y);
   }
 
-  // The rows' int8 terms, and their bf16 terms where a carries a split (the thread of the last rows
-  // zeroes the padding to whole tiles).
+  // The rows' int8 terms where a wants them, and their bf16 terms where a carries a split (the
+  // thread of the last rows zeroes the padding to whole tiles).
   static void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, const tm_vnni::Acts& a) {
-    tm_vnni::quantize_rows<kTerms>(x, K, m0, m1, a);
+    if (a.int8) tm_vnni::quantize_rows<kTerms>(x, K, m0, m1, a);
     if (a.split.hi != nullptr) tm_amx::split_into(x, m0, m1 == a.M ? a.split.Mp : m1, a.M, a.split);
   }
 

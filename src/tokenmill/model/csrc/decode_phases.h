@@ -135,8 +135,10 @@ struct Scratch {
   tm_vnni::Acts a_hidden, a_attn, a_inter;
 };
 
+// `hidden_int8`: the layers' normed inputs keep their int8 terms beside a split (a MoE layer's experts
+// gather their rows from them).
 inline Scratch make_scratch(const StackBase& s, int64_t T, int64_t partial_size, bool zero_rows,
-                            const at::TensorOptions& options, bool amx_kit) {
+                            const at::TensorOptions& options, bool amx_kit, bool hidden_int8) {
   const int64_t max_k = std::max({s.hidden, s.inter, s.nq * s.hd}), qkv_n = (s.nq + 2 * s.nkv) * s.hd;
   const int64_t n_h = T * s.hidden, n_qkv = T * qkv_n, n_q = T * s.nq * s.hd, n_k = T * s.nkv * s.hd,
                 n_gu = T * 2 * s.inter, n_act = T * s.inter, n_acts = tm_vnni::acts_floats(T, max_k, kTerms);
@@ -169,6 +171,8 @@ inline Scratch make_scratch(const StackBase& s, int64_t T, int64_t partial_size,
     b.a_hidden.split = tm_amx::make_split(split_base, T, s.hidden);
     b.a_attn.split = tm_amx::make_split(split_base, T, s.nq * s.hd);
     b.a_inter.split = tm_amx::make_split(split_base, T, s.inter);
+    b.a_hidden.int8 = hidden_int8;  // every other reader of these takes all T rows: the split
+    b.a_attn.int8 = b.a_inter.int8 = false;
   }
   return b;
 }

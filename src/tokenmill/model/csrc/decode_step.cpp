@@ -182,7 +182,8 @@ struct DecodeStack : tm_step::StackBase {
     for (const Layer& l : layers) TORCH_CHECK(l.gate_up.N > 0 || l.moe >= 0, "a layer has no MLP");
     tm_moe::Scratch moe_scratch;
     if (!moe_blocks.empty()) tm_moe::reserve(moe_scratch, moe_blocks, T, hidden, kTerms);
-    tm_step::Scratch s = tm_step::make_scratch(*this, T, plan.partial_size, true, x.options(), Kit::kAmxTiles);
+    tm_step::Scratch s = tm_step::make_scratch(*this, T, plan.partial_size, true, x.options(), Kit::kAmxTiles,
+                                                        !moe_blocks.empty());
     float* xp = x.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const float* cp = cos.data_ptr<float>();

@@ -227,7 +227,7 @@ struct GemmaDecodeStack : tm_step::StackBase {
 
     at::Tensor out = at::empty({T, hidden}, x.options());
     if (T == 0) return out;
-    tm_step::Scratch s = tm_step::make_scratch(*this, T, partial_size, false, x.options(), Kit::kAmxTiles);
+    tm_step::Scratch s = tm_step::make_scratch(*this, T, partial_size, false, x.options(), Kit::kAmxTiles, false);
     float* xp = x.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t row_elems = tm_kv::row_width(cache_format, hd);

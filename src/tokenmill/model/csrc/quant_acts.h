@@ -30,6 +30,9 @@ struct Acts {
   // The same rows as two bf16 terms for the AMX tiles, where a fused step of enough rows on a CPU
   // with them has them (decode_kits.h rounds both); empty otherwise.
   tm_amx::SplitActs split{};
+  // Whether the int8 terms above are rounded at all: not where the split serves every reader (a
+  // fused step's linears over all its rows; a MoE layer's experts gather int8 rows).
+  bool int8 = true;
 };
 
 // Ints of msum per group and row.
