@@ -89,22 +89,36 @@ def test_fused_step_matches_the_layers_op_by_op(fast_runner, kv_dtype, kernel):
         torch.testing.assert_close(vf.float(), ve.float(), atol=1e-4, rtol=1e-2)
 
 
+def prompt_as_rows(runner: ModelRunner, n: int, seed: int) -> list[SeqChunk]:
+    """One prompt of n tokens from position 0 with all its logits: one fused step of runs of rows."""
+    return [SeqChunk(ids(n, seed), 0, list(range(-(-n // runner.page_size))), sample=True, all_logits=True)]
+
+
+def fused_then_eager(runner: ModelRunner, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fused step's logits, the layers' op by op) for the same chunks."""
+    model = runner.model
+    model._decode_stack = None
+    fused = runner.execute(chunks)
+    assert model._decode_stack is not None  # the step really went through the C++ stack
+    model.fused_decode = False
+    try:
+        return fused, runner.execute(chunks)
+    finally:
+        model.fused_decode = True
+
+
 @pytest.mark.skipif(not quant_kernel.amx_available(), reason="no AMX-BF16 here")
 def test_steps_of_many_rows_run_the_amx_tiles_as_the_layers_do(fast_runner):
     """A fused step of amx_min_rows+ rows multiplies on the AMX tiles (its rows split once per layer
     input), as the op-by-op linears do: it agrees with them far closer than with the VNNI kernel's."""
     runner = fast_runner()
     model = runner.model
-    rows = int(torch.ops.tokenmill_vnni.amx_min_rows()) + 16
-    chunk = [SeqChunk(ids(rows, 21), 0, list(range(-(-rows // runner.page_size))), sample=True, all_logits=True)]
-    model._decode_stack = None
-    fused = runner.execute(chunk)
-    assert model._decode_stack is not None
+    chunk = prompt_as_rows(runner, int(torch.ops.tokenmill_vnni.amx_min_rows()) + 16, 21)
+    fused, eager = fused_then_eager(runner, chunk)
+    linears = [lin for layer in model.layers for lin in layer.linears() if getattr(lin, "kernel_weight", None) is not None]
+    assert linears
     model.fused_decode = False
     try:
-        eager = runner.execute(chunk)
-        linears = [lin for layer in model.layers for lin in layer.linears() if getattr(lin, "kernel_weight", None) is not None]
-        assert linears
         for lin in linears:  # the same layers with the VNNI kernel at every row count
             lin._blocked = lambda x, w=lin.kernel_weight: quant_kernel.blocked_linear(x, w, amx=False)
         vnni = runner.execute(chunk)
@@ -112,8 +126,7 @@ def test_steps_of_many_rows_run_the_amx_tiles_as_the_layers_do(fast_runner):
         model.fused_decode = True
         for lin in linears:
             lin._blocked = quant_kernel.bound_blocked_linear(lin.kernel_weight)
-    scale = eager.abs().max().item()
-    torch.testing.assert_close(fused, eager, atol=2e-4 * scale, rtol=1e-4)
+    torch.testing.assert_close(fused, eager, atol=2e-4 * eager.abs().max().item(), rtol=1e-4)
     assert (fused - eager).abs().max() < 0.25 * (fused - vnni).abs().max()
 
 

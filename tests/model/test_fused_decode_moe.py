@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.test_fused_decode import decode_chunks, ids, prefill
+from tests.model.test_fused_decode import decode_chunks, fused_then_eager, ids, prefill, prompt_as_rows
 from tests.moe_gguf import write_moe_gguf
 from tests.tiny_models import make_tiny_model
 from tokenmill.config import EngineConfig
@@ -115,15 +115,6 @@ def test_a_step_of_many_rows_matches_the_layers_op_by_op(moe_gguf):
     # 48+ rows takes the tiles: the two agree to the int8 terms' rounding (measured 2.4e-4 of the
     # largest logit, so 1e-3 here; a wrong row or expert is of the logits' own size)
     runner = runner_for(moe_gguf)
-    model = runner.model
-    chunk = [SeqChunk(ids(64, 7), 0, list(range(-(-64 // runner.page_size))), sample=True, all_logits=True)]
-    model._decode_stack = None
-    fused = runner.execute(chunk)
-    assert model._decode_stack is not None
-    model.fused_decode = False
-    try:
-        eager = runner.execute(chunk)
-    finally:
-        model.fused_decode = True
+    fused, eager = fused_then_eager(runner, prompt_as_rows(runner, 64, 7))
     torch.testing.assert_close(fused, eager, atol=1e-3 * eager.abs().max().item(), rtol=1e-4)
     assert (fused.argmax(-1) == eager.argmax(-1)).float().mean() > 0.95
