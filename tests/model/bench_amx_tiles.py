@@ -15,7 +15,7 @@ from tests.model.test_block_decoders import weight
 from tokenmill.model.kernels import quant_kernel
 
 SHAPES = [("Q4_1", 3072, 576), ("Q5_0", 3072, 576), ("Q5_0", 576, 1536), ("Q6_K", 576, 1536), ("Q8_0", 3072, 576),
-          ("Q4_K", 3072, 1024), ("Q4_K", 1024, 512), ("Q6_K", 1024, 512)]
+          ("Q4_K", 3072, 1024), ("Q4_K", 1024, 512), ("Q6_K", 1024, 512), ("Q3_K", 3072, 1024), ("Q3_K", 1024, 3072)]
 
 
 def median_ms(fn, reps: int = 21) -> float:

@@ -46,6 +46,20 @@ def test_tiles_within_two_bf16_terms_of_the_exact_product(kind, rows):
     assert (got - exact).abs().sum() < 0.5 * (vnni - exact).abs().sum()
 
 
+@pytest.mark.parametrize("super_blocks", [1, 3])
+@pytest.mark.parametrize("kind", ["Q3_K", "Q6_K"])
+def test_super_block_formats_over_odd_counts_of_super_blocks(kind, super_blocks):
+    # Q3_K folds its sub-block scales into the tiles' B and sums a super-block's 8 groups in one tile
+    # (runs of 8 units, alternating tile sets: 1 and 3 runs end on the odd one); Q6_K does not (16
+    # units of 16 inputs a super-block)
+    k = 256 * super_blocks
+    bw, ref, _ = weight(kind, 32, k, seed=super_blocks)
+    ref = torch.as_tensor(ref)
+    x = torch.randn(20, k)
+    got = quant_kernel.blocked_linear_amx(x, bw).double()
+    assert ((got - x.double() @ ref.double().T).abs() <= amx_bound(x, ref)).all()
+
+
 @pytest.mark.parametrize("kind", ["Q5_0", "Q6_K", "Q4_K"])
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(kind):
     k = width(kind, 128, 256)

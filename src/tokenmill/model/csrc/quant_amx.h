@@ -90,8 +90,15 @@ TA_TARGET TA_INLINE void configure() {
 
 // A group's codes minus the offset as bf16 in B's layout: row i holds inputs 2 i, 2 i + 1 of the 16
 // columns (dword c = column c). Quad j (inputs 4 j .. 4 j + 3; byte 4 c + e) gives rows 2 j, 2 j + 1.
+// Formats whose integer sub-block scales fold into B exactly: Q3_K's (code - 4) x scale is within
+// 4 x 32 = 128, which bf16 holds, so B carries it and a super-block's 8 groups sum in one tile under
+// its one d (one store and scaling per 256 inputs instead of per 16). Q2_K (mins per 16 inputs) and
+// Q4_K / Q5_K / Q6_K (products of 10-12 bits) do not.
 template <class D>
-TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b) {
+constexpr bool kFolds = D::kFmt == tm_vnni::kQ3K;
+
+template <class D>
+TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m512* sub = nullptr) {
   __m512i q[8];
   tm_vnni::pair<D, 0>(p, q[0], q[4]);
   tm_vnni::pair<D, 1>(p, q[1], q[5]);
@@ -100,6 +107,7 @@ TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b) {
   const __m512i off = _mm512_set1_epi32(D::kOffset);
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i lane_col = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
     __m512 v[4];
@@ -108,6 +116,8 @@ TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b) {
       const __m128i bytes = i == 0 ? _mm512_extracti32x4_epi32(q[j], 0) : i == 1 ? _mm512_extracti32x4_epi32(q[j], 1)
                             : i == 2 ? _mm512_extracti32x4_epi32(q[j], 2) : _mm512_extracti32x4_epi32(q[j], 3);
       v[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), off));
+      if (sub != nullptr)  // times column 4 i + c's scale of half j / 4 (exact: kFolds)
+        v[i] = _mm512_mul_ps(v[i], _mm512_permutexvar_ps(_mm512_add_epi32(lane_col, _mm512_set1_epi32(4 * i)), sub[j / 4]));
     }
     // dword 2 c' + h of lo8 / hi8: column c' (of 0-7 / 8-15), inputs 4 j + 2 h, + 1
     const __m512i lo8 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
@@ -117,12 +127,24 @@ TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b) {
   }
 }
 
-// One column block's B tiles (G kB) and its scales and mins per unit ([units, 16] fp32 each).
+// One column block's B tiles (G kB) and its scales and mins per run of units ([runs, 16] fp32 each):
+// per unit, or for kFolds formats the super-block's d (its sub-block scales in B).
 template <class D>
 TA_TARGET void decode_block(const Weights& w, int64_t nb, uint16_t* b, float* sc, float* mn) {
   const bool has_min = D::has_min(w);
   for (int64_t g = 0; g < w.G; ++g) {
-    decode_group_b<D>(w.codes + (nb * w.G + g) * D::kBits * 64, b + g * 512);
+    const uint8_t* codes = w.codes + (nb * w.G + g) * D::kBits * 64;
+    if constexpr (kFolds<D>) {
+      const int64_t j = g % tm_vnni::kSuper;
+      const __m512 sub[2] = {tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j)), tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j + 1))};
+      decode_group_b<D>(codes, b + g * 512, sub);
+      if (j == 0) {
+        _mm512_storeu_ps(sc + (g / tm_vnni::kSuper) * kCols, tm_vnni::load_half16(w.scales + D::at(w, nb, g)));
+        _mm512_storeu_ps(mn + (g / tm_vnni::kSuper) * kCols, _mm512_setzero_ps());
+      }
+      continue;
+    }
+    decode_group_b<D>(codes, b + g * 512);
     __m512 s[D::kSubs], m[D::kSubs];
     D::scales(w, nb, g, s);
     if (has_min) D::mins(w, nb, g, m);
@@ -149,23 +171,27 @@ TA_TARGET TA_INLINE void scale_unit(__m512 (&acc)[kTileRows], const float* c, co
   }
 }
 
-// A unit's two products into one set of tiles (sums C, A hi, A lo, B: literal tile numbers, which
-// the instructions encode).
-#define TA_UNIT_MULTIPLY(C, AH, AL, B, A_HI, A_LO, B_PTR, STRIDE) \
+// A run of Run units' products into one set of tiles (sums C, A hi, A lo, B: literal tile numbers,
+// which the instructions encode), from unit U0 on: C holds their sum.
+#define TA_RUN_MULTIPLY(C, AH, AL, B, U0)                     \
   do {                                                         \
-    _tile_loadd(AH, A_HI, STRIDE);                             \
-    _tile_loadd(B, B_PTR, 64);                                 \
-    _tile_zero(C);                                             \
-    _tile_dpbf16ps(C, AH, B);                                  \
-    _tile_loadd(AL, A_LO, STRIDE);                             \
-    _tile_dpbf16ps(C, AL, B);                                  \
+    for (int i = 0; i < Run; ++i) {                            \
+      const int64_t uu = (U0) + i;                             \
+      _tile_loadd(AH, hi + uu * W, stride);                    \
+      _tile_loadd(B, b + uu * kUnitB, 64);                     \
+      if (i == 0) _tile_zero(C);                               \
+      _tile_dpbf16ps(C, AH, B);                                \
+      _tile_loadd(AL, lo + uu * W, stride);                    \
+      _tile_dpbf16ps(C, AL, B);                                \
+    }                                                          \
   } while (0)
-#define TA_SET0(A_HI, A_LO, B_PTR, STRIDE) TA_UNIT_MULTIPLY(0, 1, 2, 3, A_HI, A_LO, B_PTR, STRIDE)
-#define TA_SET1(A_HI, A_LO, B_PTR, STRIDE) TA_UNIT_MULTIPLY(4, 5, 6, 7, A_HI, A_LO, B_PTR, STRIDE)
+#define TA_SET0(U0) TA_RUN_MULTIPLY(0, 1, 2, 3, U0)
+#define TA_SET1(U0) TA_RUN_MULTIPLY(4, 5, 6, 7, U0)
 
 // One 16-row tile (rows m0.., all 16 in x's padding) x one column block: the rows' results in y
-// (only its `rows` real ones). b, sc, mn: the block's decode_block output.
-template <int W, bool HasMin>
+// (only its `rows` real ones). b, sc, mn: the block's decode_block output, sc / mn one record a run
+// of Run units (1; a super-block's 8 groups where the decoder folds its sub-block scales into B).
+template <int W, bool HasMin, int Run>
 TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t units, const uint16_t* b, const float* sc,
                           const float* mn, float* y, int64_t ldy) {
   alignas(64) float c[2][kTileRows * kCols];
@@ -178,31 +204,32 @@ TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t 
   const float* sums = (W == 16 ? a.sum16 : a.sum32) + m0 * (K / W);
   const int64_t sum_stride = K / W;
   constexpr int64_t kUnitB = W * 16;  // bf16 values of B a unit
-  int64_t u = 0;
-  for (; u + 1 < units; u += 2) {
-    TA_SET0(hi + u * W, lo + u * W, b + u * kUnitB, stride);
-    if (u > 0) {  // the previous pair's second unit, multiplied while the first one was
+  const int64_t runs = units / Run;
+  int64_t r = 0;
+  for (; r + 1 < runs; r += 2) {
+    TA_SET0(r * Run);
+    if (r > 0) {  // the previous pair's second run, multiplied while the first one was
       _tile_stored(4, c[1], 64);
-      scale_unit<HasMin>(acc, c[1], sc + (u - 1) * kCols, mn + (u - 1) * kCols, sums + (u - 1), sum_stride);
+      scale_unit<HasMin>(acc, c[1], sc + (r - 1) * kCols, mn + (r - 1) * kCols, sums + (r - 1), sum_stride);
     }
-    TA_SET1(hi + (u + 1) * W, lo + (u + 1) * W, b + (u + 1) * kUnitB, stride);
+    TA_SET1((r + 1) * Run);
     _tile_stored(0, c[0], 64);
-    scale_unit<HasMin>(acc, c[0], sc + u * kCols, mn + u * kCols, sums + u, sum_stride);
+    scale_unit<HasMin>(acc, c[0], sc + r * kCols, mn + r * kCols, sums + r, sum_stride);
   }
-  if (u > 0) {
+  if (r > 0) {
     _tile_stored(4, c[1], 64);
-    scale_unit<HasMin>(acc, c[1], sc + (u - 1) * kCols, mn + (u - 1) * kCols, sums + (u - 1), sum_stride);
+    scale_unit<HasMin>(acc, c[1], sc + (r - 1) * kCols, mn + (r - 1) * kCols, sums + (r - 1), sum_stride);
   }
-  if (u < units) {  // an odd unit count's last
-    TA_SET0(hi + u * W, lo + u * W, b + u * kUnitB, stride);
+  if (r < runs) {  // an odd run count's last
+    TA_SET0(r * Run);
     _tile_stored(0, c[0], 64);
-    scale_unit<HasMin>(acc, c[0], sc + u * kCols, mn + u * kCols, sums + u, sum_stride);
+    scale_unit<HasMin>(acc, c[0], sc + r * kCols, mn + r * kCols, sums + r, sum_stride);
   }
-  for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+  for (int64_t i = 0; i < rows; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
 #undef TA_SET0
 #undef TA_SET1
-#undef TA_UNIT_MULTIPLY
+#undef TA_RUN_MULTIPLY
 
 // Decoded B of this many bytes at most per chunk of blocks (with its scales): stays in L2 (2 MB a
 // core on the AMX machines measured) while the step's row tiles run over it. Every chunk streams all
@@ -214,8 +241,9 @@ constexpr int64_t kChunkBytes = 1024 * 1024;
 template <class D>
 TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
   if (nb1 <= nb0) return;
-  constexpr int W = kGroup / D::kSubs;
-  const int64_t units = w.G * D::kSubs;
+  constexpr int W = kFolds<D> ? kGroup : kGroup / D::kSubs;  // inputs a unit
+  constexpr int Run = kFolds<D> ? tm_vnni::kSuper : 1;      // units summed in one tile
+  const int64_t units = kFolds<D> ? w.G : w.G * D::kSubs;
   const int64_t block_bytes = w.G * 1024 + 2 * units * kCols * 4;
   const int64_t most = std::max<int64_t>(1, kChunkBytes / block_bytes), blocks = nb1 - nb0;
   const int64_t chunk = (blocks + (blocks + most - 1) / most - 1) / ((blocks + most - 1) / most);  // even chunks
@@ -237,8 +265,8 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
         const uint16_t* b = bbuf.data() + (nb - c0) * w.G * 512;
         const float* s = sbuf.data() + (nb - c0) * 2 * units * kCols;
         float* yt = y + m0 * ldy + nb * kCols;
-        if (has_min) tile_block<W, true>(a, m0, rows, units, b, s, s + units * kCols, yt, ldy);
-        else tile_block<W, false>(a, m0, rows, units, b, s, s + units * kCols, yt, ldy);
+        if (has_min) tile_block<W, true, Run>(a, m0, rows, units, b, s, s + units * kCols, yt, ldy);
+        else tile_block<W, false, Run>(a, m0, rows, units, b, s, s + units * kCols, yt, ldy);
       }
     }
   }
