@@ -60,6 +60,17 @@ def test_super_block_formats_over_odd_counts_of_super_blocks(kind, super_blocks)
     assert ((got - x.double() @ ref.double().T).abs() <= amx_bound(x, ref)).all()
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_1", "Q4_K", "Q6_K", "Q3_K"])
+def test_wide_inputs_run_in_spans_whose_sums_add_up(kind):
+    # 2,304 inputs: spans of 32 groups (1,024 inputs), the last one 8 groups (a single super-block)
+    k = 2304
+    bw, ref, _ = weight(kind, 48, k, seed=5)
+    ref = torch.as_tensor(ref)
+    x = torch.randn(33, k)
+    got = quant_kernel.blocked_linear_amx(x, bw).double()
+    assert ((got - x.double() @ ref.double().T).abs() <= amx_bound(x, ref)).all()
+
+
 @pytest.mark.parametrize("kind", ["Q5_0", "Q6_K", "Q4_K"])
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(kind):
     k = width(kind, 128, 256)

@@ -127,30 +127,32 @@ TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m
   }
 }
 
-// One column block's B tiles (G kB) and its scales and mins per run of units ([runs, 16] fp32 each):
-// per unit, or for kFolds formats the super-block's d (its sub-block scales in B).
+// Groups g0..g1 of one column block: B tiles (1 kB a group) and scales and mins per run of units
+// ([runs, 16] fp32 each): per unit, or for kFolds formats the super-block's d (its sub-block scales
+// in B). g0 is a whole number of super-blocks for the super-block formats.
 template <class D>
-TA_TARGET void decode_block(const Weights& w, int64_t nb, uint16_t* b, float* sc, float* mn) {
+TA_TARGET void decode_block(const Weights& w, int64_t nb, int64_t g0, int64_t g1, uint16_t* b, float* sc, float* mn) {
   const bool has_min = D::has_min(w);
-  for (int64_t g = 0; g < w.G; ++g) {
+  for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* codes = w.codes + (nb * w.G + g) * D::kBits * 64;
+    uint16_t* bg = b + (g - g0) * 512;
     if constexpr (kFolds<D>) {
       const int64_t j = g % tm_vnni::kSuper;
       const __m512 sub[2] = {tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j)), tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j + 1))};
-      decode_group_b<D>(codes, b + g * 512, sub);
+      decode_group_b<D>(codes, bg, sub);
       if (j == 0) {
-        _mm512_storeu_ps(sc + (g / tm_vnni::kSuper) * kCols, tm_vnni::load_half16(w.scales + D::at(w, nb, g)));
-        _mm512_storeu_ps(mn + (g / tm_vnni::kSuper) * kCols, _mm512_setzero_ps());
+        _mm512_storeu_ps(sc + ((g - g0) / tm_vnni::kSuper) * kCols, tm_vnni::load_half16(w.scales + D::at(w, nb, g)));
+        _mm512_storeu_ps(mn + ((g - g0) / tm_vnni::kSuper) * kCols, _mm512_setzero_ps());
       }
       continue;
     }
-    decode_group_b<D>(codes, b + g * 512);
+    decode_group_b<D>(codes, bg);
     __m512 s[D::kSubs], m[D::kSubs];
     D::scales(w, nb, g, s);
     if (has_min) D::mins(w, nb, g, m);
     for (int h = 0; h < D::kSubs; ++h) {
-      _mm512_storeu_ps(sc + (g * D::kSubs + h) * kCols, s[h]);
-      _mm512_storeu_ps(mn + (g * D::kSubs + h) * kCols, has_min ? m[h] : _mm512_setzero_ps());
+      _mm512_storeu_ps(sc + ((g - g0) * D::kSubs + h) * kCols, s[h]);
+      _mm512_storeu_ps(mn + ((g - g0) * D::kSubs + h) * kCols, has_min ? m[h] : _mm512_setzero_ps());
     }
   }
 }
@@ -188,20 +190,23 @@ TA_TARGET TA_INLINE void scale_unit(__m512 (&acc)[kTileRows], const float* c, co
 #define TA_SET0(U0) TA_RUN_MULTIPLY(0, 1, 2, 3, U0)
 #define TA_SET1(U0) TA_RUN_MULTIPLY(4, 5, 6, 7, U0)
 
-// One 16-row tile (rows m0.., all 16 in x's padding) x one column block: the rows' results in y
-// (only its `rows` real ones). b, sc, mn: the block's decode_block output, sc / mn one record a run
-// of Run units (1; a super-block's 8 groups where the decoder folds its sub-block scales into B).
+// One 16-row tile (rows m0.., all 16 in x's padding) x one column block over units u0.. (a span of
+// the inputs): the rows' sums in y (only its `rows` real ones), or added to it (`add`). b, sc, mn:
+// the span's decode_block output, sc / mn one record a run of Run units (1; a super-block's 8 groups
+// where the decoder folds its sub-block scales into B).
 template <int W, bool HasMin, int Run>
-TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t units, const uint16_t* b, const float* sc,
-                          const float* mn, float* y, int64_t ldy) {
+TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t u0, int64_t units, const uint16_t* b,
+                          const float* sc, const float* mn, float* y, int64_t ldy, bool add) {
   alignas(64) float c[2][kTileRows * kCols];
   __m512 acc[kTileRows];
 #pragma GCC unroll 16
   for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
+  if (add)  // a later span of the inputs: onto the earlier spans' sums
+    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_loadu_ps(y + r * ldy);
   const int64_t K = a.K, stride = K * 2;
-  const uint16_t* hi = a.hi + m0 * K;
-  const uint16_t* lo = a.lo + m0 * K;
-  const float* sums = (W == 16 ? a.sum16 : a.sum32) + m0 * (K / W);
+  const uint16_t* hi = a.hi + m0 * K + u0 * W;
+  const uint16_t* lo = a.lo + m0 * K + u0 * W;
+  const float* sums = (W == 16 ? a.sum16 : a.sum32) + m0 * (K / W) + u0;
   const int64_t sum_stride = K / W;
   constexpr int64_t kUnitB = W * 16;  // bf16 values of B a unit
   const int64_t runs = units / Run;
@@ -231,11 +236,13 @@ TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t 
 #undef TA_SET1
 #undef TA_RUN_MULTIPLY
 
-// Decoded B of this many bytes at most per chunk of blocks (with its scales): stays in L2 (2 MB a
-// core on the AMX machines measured) while the step's row tiles run over it. Every chunk streams all
-// of the rows' split activations again (3 MB for 512 rows of K = 1536), so chunks are as few as fit:
-// at 512 rows 1 MB measured 1.0-1.1x faster than 256 kB, 32-96 kB 1.1-1.3x slower.
+// The step runs in pieces of kSpanGroups groups of inputs (1,024) x as many column blocks as fit
+// kChunkBytes of decoded B, each piece over all of the rows, its sums added to the earlier pieces':
+// every piece streams its span of the rows' split activations (512 rows: 2 MB), so a wide K (8B
+// shapes: 4,096-14,336) no longer streams all of them (8-29 MB) for every few blocks. Spans are whole
+// super-blocks (a multiple of 8 groups).
 constexpr int64_t kChunkBytes = 1024 * 1024;
+constexpr int64_t kSpanGroups = 32;
 
 // Blocks nb0..nb1 of one weight x all of a's rows, into y's columns (ldy = y's row length).
 template <class D>
@@ -243,30 +250,34 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
   if (nb1 <= nb0) return;
   constexpr int W = kFolds<D> ? kGroup : kGroup / D::kSubs;  // inputs a unit
   constexpr int Run = kFolds<D> ? tm_vnni::kSuper : 1;      // units summed in one tile
-  const int64_t units = kFolds<D> ? w.G : w.G * D::kSubs;
-  const int64_t block_bytes = w.G * 1024 + 2 * units * kCols * 4;
+  constexpr int64_t kUnitsPerGroup = kGroup / W;
+  const int64_t span = std::min(w.G, kSpanGroups), span_units = span * kUnitsPerGroup;
+  const int64_t block_bytes = span * 1024 + 2 * span_units * kCols * 4;
   const int64_t most = std::max<int64_t>(1, kChunkBytes / block_bytes), blocks = nb1 - nb0;
   const int64_t chunk = (blocks + (blocks + most - 1) / most - 1) / ((blocks + most - 1) / most);  // even chunks
   thread_local std::vector<uint16_t> bbuf;
   thread_local std::vector<float> sbuf;
-  bbuf.resize(static_cast<size_t>(chunk * w.G * 512));
-  sbuf.resize(static_cast<size_t>(chunk * 2 * units * kCols));
+  bbuf.resize(static_cast<size_t>(chunk * span * 512));
+  sbuf.resize(static_cast<size_t>(chunk * 2 * span_units * kCols));
   configure<W>();
   const bool has_min = D::has_min(w);
   for (int64_t c0 = nb0; c0 < nb1; c0 += chunk) {
     const int64_t c1 = std::min(nb1, c0 + chunk);
-    for (int64_t nb = c0; nb < c1; ++nb) {
-      float* s = sbuf.data() + (nb - c0) * 2 * units * kCols;
-      decode_block<D>(w, nb, bbuf.data() + (nb - c0) * w.G * 512, s, s + units * kCols);
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-      const int64_t rows = std::min(kTileRows, M - m0);
+    for (int64_t g0 = 0; g0 < w.G; g0 += span) {
+      const int64_t g1 = std::min(w.G, g0 + span), units = (g1 - g0) * kUnitsPerGroup, u0 = g0 * kUnitsPerGroup;
       for (int64_t nb = c0; nb < c1; ++nb) {
-        const uint16_t* b = bbuf.data() + (nb - c0) * w.G * 512;
-        const float* s = sbuf.data() + (nb - c0) * 2 * units * kCols;
-        float* yt = y + m0 * ldy + nb * kCols;
-        if (has_min) tile_block<W, true, Run>(a, m0, rows, units, b, s, s + units * kCols, yt, ldy);
-        else tile_block<W, false, Run>(a, m0, rows, units, b, s, s + units * kCols, yt, ldy);
+        float* s = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
+        decode_block<D>(w, nb, g0, g1, bbuf.data() + (nb - c0) * span * 512, s, s + span_units * kCols);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int64_t rows = std::min(kTileRows, M - m0);
+        for (int64_t nb = c0; nb < c1; ++nb) {
+          const uint16_t* b = bbuf.data() + (nb - c0) * span * 512;
+          const float* s = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
+          float* yt = y + m0 * ldy + nb * kCols;
+          if (has_min) tile_block<W, true, Run>(a, m0, rows, u0, units, b, s, s + span_units * kCols, yt, ldy, g0 > 0);
+          else tile_block<W, false, Run>(a, m0, rows, u0, units, b, s, s + span_units * kCols, yt, ldy, g0 > 0);
+        }
       }
     }
   }
