@@ -16,10 +16,11 @@
 // the quality bound on.
 //
 // Layout: a block's codes are decoded once per call into AMX's B layout (per group of 32 inputs:
-// 16 rows of 16 columns x 2 consecutive inputs, 1 kB), a chunk of blocks at a time so that it stays
-// in L2 while every 16-row tile of the step runs over it. Formats with two sub-blocks a group
-// (Q2_K, Q3_K, Q6_K) take each half as a unit of 16 inputs with its own scale. Two sets of tiles
-// alternate between units, so that a unit's sums are stored while the next one's multiply.
+// 16 rows of 16 columns x 2 consecutive inputs, 1 kB), a chunk of blocks and a span of the inputs at
+// a time so that it stays in L2 while every 16-row tile of the step runs over it (blocks_of). Formats
+// with two sub-blocks a group (Q2_K, Q6_K) take each half as a unit of 16 inputs with its own scale;
+// Q3_K folds its sub-block scales into B (kFolds). Two sets of tiles alternate between units, so that
+// a unit's sums are stored while the next one's multiply.
 // Linux hands a process the tile registers only when asked (arch_prctl): amx_ready() asks once.
 
 #include <ATen/Parallel.h>
@@ -88,8 +89,6 @@ TA_TARGET TA_INLINE void configure() {
   _tile_loadconfig(&c);
 }
 
-// A group's codes minus the offset as bf16 in B's layout: row i holds inputs 2 i, 2 i + 1 of the 16
-// columns (dword c = column c). Quad j (inputs 4 j .. 4 j + 3; byte 4 c + e) gives rows 2 j, 2 j + 1.
 // Formats whose integer sub-block scales fold into B exactly: Q3_K's (code - 4) x scale is within
 // 4 x 32 = 128, which bf16 holds, so B carries it and a super-block's 8 groups sum in one tile under
 // its one d (one store and scaling per 256 inputs instead of per 16). Q2_K (mins per 16 inputs) and
@@ -97,6 +96,9 @@ TA_TARGET TA_INLINE void configure() {
 template <class D>
 constexpr bool kFolds = D::kFmt == tm_vnni::kQ3K;
 
+// A group's codes minus the offset as bf16 in B's layout: row i holds inputs 2 i, 2 i + 1 of the 16
+// columns (dword c = column c). Quad j (inputs 4 j .. 4 j + 3; byte 4 c + e) gives rows 2 j, 2 j + 1.
+// `sub` (kFolds formats): each half's 16 column scales, multiplied in.
 template <class D>
 TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m512* sub = nullptr) {
   __m512i q[8];
@@ -128,8 +130,9 @@ TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m
 }
 
 // Groups g0..g1 of one column block: B tiles (1 kB a group) and scales and mins per run of units
-// ([runs, 16] fp32 each): per unit, or for kFolds formats the super-block's d (its sub-block scales
-// in B). g0 is a whole number of super-blocks for the super-block formats.
+// ([runs, 16] fp32 each; mins only for formats with them): per unit, or for kFolds formats the
+// super-block's d (its sub-block scales in B). g0 is a whole number of super-blocks for the
+// super-block formats.
 template <class D>
 TA_TARGET void decode_block(const Weights& w, int64_t nb, int64_t g0, int64_t g1, uint16_t* b, float* sc, float* mn) {
   const bool has_min = D::has_min(w);
@@ -140,10 +143,7 @@ TA_TARGET void decode_block(const Weights& w, int64_t nb, int64_t g0, int64_t g1
       const int64_t j = g % tm_vnni::kSuper;
       const __m512 sub[2] = {tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j)), tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j + 1))};
       decode_group_b<D>(codes, bg, sub);
-      if (j == 0) {
-        _mm512_storeu_ps(sc + ((g - g0) / tm_vnni::kSuper) * kCols, tm_vnni::load_half16(w.scales + D::at(w, nb, g)));
-        _mm512_storeu_ps(mn + ((g - g0) / tm_vnni::kSuper) * kCols, _mm512_setzero_ps());
-      }
+      if (j == 0) _mm512_storeu_ps(sc + ((g - g0) / tm_vnni::kSuper) * kCols, tm_vnni::load_half16(w.scales + D::at(w, nb, g)));
       continue;
     }
     decode_group_b<D>(codes, bg);
@@ -152,7 +152,7 @@ TA_TARGET void decode_block(const Weights& w, int64_t nb, int64_t g0, int64_t g1
     if (has_min) D::mins(w, nb, g, m);
     for (int h = 0; h < D::kSubs; ++h) {
       _mm512_storeu_ps(sc + ((g - g0) * D::kSubs + h) * kCols, s[h]);
-      _mm512_storeu_ps(mn + ((g - g0) * D::kSubs + h) * kCols, has_min ? m[h] : _mm512_setzero_ps());
+      if (has_min) _mm512_storeu_ps(mn + ((g - g0) * D::kSubs + h) * kCols, m[h]);
     }
   }
 }

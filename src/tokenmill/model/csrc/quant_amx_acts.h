@@ -44,59 +44,56 @@ struct SplitActs {
   int64_t Mp = 0, K = 0;
 };
 
-#if TM_AMX_COMPILES
-// Rows m0..m1 of x [M, K] as split_into lays them out (rows from M on: zeros).
-TA_TARGET inline void split_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int64_t M, uint16_t* hi, uint16_t* lo,
-                                 float* s16, float* s32) {
-  for (int64_t m = m0; m < m1; ++m) {
-    uint16_t* h = hi + m * K;
-    uint16_t* l = lo + m * K;
-    if (m >= M) {
-      std::memset(h, 0, K * 2);
-      std::memset(l, 0, K * 2);
-      std::fill(s16 + m * (K / 16), s16 + (m + 1) * (K / 16), 0.f);
-      std::fill(s32 + m * (K / 32), s32 + (m + 1) * (K / 32), 0.f);
-      continue;
-    }
-    const float* xr = x + m * K;
-    for (int64_t k = 0; k < K; k += 32) {
-      const __m512 a = _mm512_loadu_ps(xr + k), b = _mm512_loadu_ps(xr + k + 16);
-      const __m512bh ab = _mm512_cvtne2ps_pbh(b, a);
-      // hi's values back in fp32 (bf16 is fp32's upper half), the residual exact in fp32
-      const __m512i abi = (__m512i)ab;
-      const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(abi)), 16));
-      const __m512 hb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(abi, 1)), 16));
-      const __m512bh rl = _mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha));
-      _mm512_storeu_si512(h + k, abi);
-      _mm512_storeu_si512(l + k, (__m512i)rl);
-      const float sa = _mm512_reduce_add_ps(a), sb = _mm512_reduce_add_ps(b);
-      s16[m * (K / 16) + k / 16] = sa;
-      s16[m * (K / 16) + k / 16 + 1] = sb;
-      s32[m * (K / 32) + k / 32] = sa + sb;
-    }
-  }
-}
-#else
-inline void split_rows(const float*, int64_t, int64_t, int64_t, int64_t, uint16_t*, uint16_t*, float*, float*) {}
-#endif
+// M rounded up to whole tiles of rows.
+inline int64_t padded_rows(int64_t M) { return (M + kTileRows - 1) / kTileRows * kTileRows; }
 
 // Floats of scratch that M rows of K inputs take split (make_split's layout).
 inline int64_t split_floats(int64_t M, int64_t K) {
-  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
-  return Mp * K + Mp * (K / 16 + K / 32);  // hi and lo: two bf16 a value, one float
+  return padded_rows(M) * (K + K / 16 + K / 32);  // hi and lo: two bf16 a value, one float
 }
 
 // The split of M rows of K inputs laid out in `base` (split_floats(M, K) floats, 64-byte aligned).
 inline SplitActs make_split(float* base, int64_t M, int64_t K) {
-  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  const int64_t Mp = padded_rows(M);
   uint16_t* hi = reinterpret_cast<uint16_t*>(base);
   float* sums = base + Mp * K;
   return SplitActs{hi, hi + Mp * K, sums, sums + Mp * (K / 16), Mp, K};
 }
 
+#if TM_AMX_COMPILES
 // Rows m0..m1 of x [M, K] into a (rows from M on: zeros).
-inline void split_into(const float* x, int64_t m0, int64_t m1, int64_t M, const SplitActs& a) {
-  split_rows(x, a.K, m0, m1, M, a.hi, a.lo, a.sum16, a.sum32);
+TA_TARGET inline void split_into(const float* x, int64_t m0, int64_t m1, int64_t M, const SplitActs& a) {
+  const int64_t K = a.K;
+  for (int64_t m = m0; m < m1; ++m) {
+    uint16_t* h = a.hi + m * K;
+    uint16_t* l = a.lo + m * K;
+    float* s16 = a.sum16 + m * (K / 16);
+    float* s32 = a.sum32 + m * (K / 32);
+    if (m >= M) {
+      std::memset(h, 0, K * 2);
+      std::memset(l, 0, K * 2);
+      std::fill(s16, s16 + K / 16, 0.f);
+      std::fill(s32, s32 + K / 32, 0.f);
+      continue;
+    }
+    const float* xr = x + m * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512 a0 = _mm512_loadu_ps(xr + k), a1 = _mm512_loadu_ps(xr + k + 16);
+      const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(a1, a0);
+      // hi's values back in fp32 (bf16 is fp32's upper half), the residual exact in fp32
+      const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
+      const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
+      _mm512_storeu_si512(h + k, hi);
+      _mm512_storeu_si512(l + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(a1, h1), _mm512_sub_ps(a0, h0)));
+      const float s0 = _mm512_reduce_add_ps(a0), s1 = _mm512_reduce_add_ps(a1);
+      s16[k / 16] = s0;
+      s16[k / 16 + 1] = s1;
+      s32[k / 32] = s0 + s1;
+    }
+  }
 }
+#else
+inline void split_into(const float*, int64_t, int64_t, int64_t, const SplitActs&) {}
+#endif
 
 }  // namespace tm_amx
