@@ -78,3 +78,20 @@ def test_bf16_inputs_and_outputs_are_the_float32_results_rounded(rows):
     q32 = fused_ops.rope_store(qkv.float(), cos, sin, nq, nkv, k32, v32, slots)
     assert q16.dtype == torch.float32 and torch.equal(q16, q32)
     assert torch.equal(k16, k32) and torch.equal(v16, v32)
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_gives_bf16_queries_rounded_from_the_same_floats(rows, qkv_dtype):
+    """A prompt step whose attention reads bf16 queries asks rope_store for them: the float32 queries
+    rounded as torch rounds (ties to even), with K and V stored exactly as without."""
+    nq, nkv, d = 9, 3, 64
+    qkv = (torch.randn(rows, (nq + 2 * nkv) * d) * 3).to(qkv_dtype)
+    cos, sin = torch.randn(rows, d), torch.randn(rows, d)
+    caches = [torch.zeros(nkv, 100, d, dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.randperm(100)[:rows]
+    q32 = fused_ops.rope_store(qkv, cos, sin, nq, nkv, caches[0], caches[1], slots)
+    q16 = fused_ops.rope_store(qkv, cos, sin, nq, nkv, caches[2], caches[3], slots, q_bf16=True)
+    assert q16.dtype == torch.bfloat16 and q16.shape == (rows, nq, d) and q16.is_contiguous()
+    assert torch.equal(q16, q32.bfloat16())
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

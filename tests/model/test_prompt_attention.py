@@ -157,6 +157,42 @@ def test_fast_mode_on_amx_sends_long_prompt_chunks_to_sdpa_and_agrees_with_the_k
     assert clear.sum() >= len(prompt) // 3 and torch.equal(on.argmax(-1)[clear], off.argmax(-1)[clear])
 
 
+@pytest.mark.parametrize("kv_dtype, bf16_queries", [("bf16", True), ("int8", False)])
+def test_bf16_queries_and_outputs_change_no_logit(tmp_path, monkeypatch, kv_dtype, bf16_queries):
+    """A step of prompt chunks that all attend on the flash kernel over bf16 rows takes its queries from
+    rope_store in bf16 and gives the attention output on in bf16 (no conversion passes): the same
+    numbers as rounding float32 queries on the way in, to the bit. int8 rows (a rotated basis) keep
+    float32 queries. Steps with decode rows or several chunks are covered as well."""
+    folder = make_tiny_model(tmp_path, "llama", tokenizer=False, hidden_size=128, intermediate_size=256,
+                             max_position_embeddings=1024)
+    gguf = write_tiny_gguf(folder, tmp_path / "tiny.gguf", quant="Q4_1")
+    g = torch.Generator().manual_seed(5)
+    n = BF16_PROMPT_MIN_ROWS + 10
+    first = [int(t) for t in torch.randint(100, 250, (2 * n,), generator=g)]
+    second = [int(t) for t in torch.randint(100, 250, (n,), generator=g)]
+    pages, other_pages = list(range(-(-2 * n // 16))), list(range(40, 40 + -(-n // 16)))
+    monkeypatch.setattr(prompt_attention, "faster_here", lambda: True)
+    asked = []
+
+    def logits(allow: bool) -> torch.Tensor:
+        config = EngineConfig(model=str(gguf), precision="fast", num_threads=2, kv_cache_tokens=2048,
+                              kv_cache_dtype=kv_dtype)
+        runner = build_engine_core(config).runner
+        attention = runner.model.attention
+        real = TorchPagedAttention.bf16_queries.__get__(attention)
+        attention.bf16_queries = lambda meta, k_cache: asked.append(real(meta, k_cache)) or (allow and real(meta, k_cache))
+        steps = [[SeqChunk(first[:n], 0, pages, sample=True, all_logits=True)],  # one chunk
+                 [SeqChunk(first[n:], n, pages, sample=True, all_logits=True),  # two chunks in one step
+                  SeqChunk(second, 0, other_pages, sample=True, all_logits=True)]]
+        return torch.cat([runner.execute(step) for step in steps])
+
+    on = logits(True)
+    layers = len(asked) // 2
+    assert layers > 0 and asked == [bf16_queries] * 2 * layers
+    off = logits(False)
+    assert torch.equal(on, off)
+
+
 @pytest.fixture
 def fresh_choice():
     prompt_attention.faster_here.cache_clear()

@@ -53,8 +53,8 @@ def fake_int8(rows: torch.Tensor, group: int, rotated: bool = True) -> torch.Ten
 def _install_simulation() -> None:
     real = fused_ops.rope_store
 
-    def rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots):
-        q = real(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots)
+    def rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots, q_bf16=False):
+        q = real(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots, q_bf16)
         if _SIM[0] is not None:
             for cache in (k_cache, v_cache):
                 cache[:, slots] = fake_int8(cache[:, slots], *_SIM[0])

@@ -73,6 +73,10 @@ class AttentionBackend(abc.ABC):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """`forward` for tokens whose K/V a fused op has already written into the cache."""
 
+    def bf16_queries(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> bool:
+        """Whether `attend` takes this step's queries in bf16 (and gives its output in bf16)."""
+        return False
+
 
 class TorchPagedAttention(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
@@ -99,11 +103,22 @@ class TorchPagedAttention(AttentionBackend):
         fmt.write(v_cache, meta.slot_mapping, v)
         return self.attend(q, k_cache, v_cache, meta)
 
+    def bf16_queries(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> bool:
+        """Whether this step's queries may come in bf16 (and its output leave in bf16): every row is
+        a prompt chunk's that torch's flash kernel attends in bf16 (prompt_attention.py), over rows
+        stored as they are read (bf16; int8 rows in a rotated basis rotate fp32 queries instead), so
+        the queries would be rounded to bf16 on the way in anyway and the output comes back in bf16."""
+        return (self.bf16_prompts and meta.num_decode == 0 and bool(meta.prefills)
+                and KVCacheFormat.of(k_cache).name == "bf16")
+
     def attend(self, q, k_cache, v_cache, meta):
         num_tokens = q.shape[0]
         nd = meta.num_decode
         if nd == num_tokens:  # decode rows only (the common step): no output buffer to fill
             return self._decode(q, k_cache, v_cache, meta).view(num_tokens, self.num_heads * self.head_dim)
+        if nd == 0 and len(meta.prefills) == 1 and meta.prefills[0].q_len == num_tokens:
+            # one prompt chunk: its attention is the output (contiguous from the flash kernel)
+            return self._prefill(q, k_cache, v_cache, meta.prefills[0], meta.page_size).reshape(num_tokens, -1)
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)

@@ -122,9 +122,12 @@ class DecoderLayer:
         the next norm (one pass instead of two). With `bf16` (large steps, whose linears run bf16
         GEMMs) the linears' inputs and outputs stay bf16: the same numbers without conversions."""
         qkv = self.qkv(h)
+        q_bf16 = attention.bf16_queries(meta, k_cache)
         q = fused_ops.rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, k_cache, v_cache,
-                                 meta.slot_mapping)
+                                 meta.slot_mapping, q_bf16)
         attn = attention.attend(q, k_cache, v_cache, meta)
+        if q_bf16 and not bf16:  # o_proj runs the kernel on float32 here
+            attn = attn.float()
         h = fused_ops.add_rms_norm_(x, self.o_proj(attn), self.post_norm, self.eps, bf16)
         return self.mlp_fused(h)
 

@@ -33,35 +33,42 @@ void with_output(at::Tensor& t, bool bf16, Fn&& fn) {
   else fn(t.data_ptr<float>());
 }
 
-std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos_in, const at::Tensor& sin_in,
-                                           int64_t nq, int64_t nkv) {
+// q [T, nq, d] (float32, or bf16 rounded from the same floats) and k [T, nkv, d] (float32) with RoPE.
+std::tuple<at::Tensor, at::Tensor> rope_heads(const at::Tensor& qkv, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                              int64_t nq, int64_t nkv, bool q_bf16) {
   const bool bf16 = check_rows(qkv, "qkv");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const int64_t T = qkv.size(0), d = cos.size(-1);
   TORCH_CHECK(d % 2 == 0 && cos.numel() == T * d && sin.numel() == T * d, "cos and sin must be [T, head_dim]");
   TORCH_CHECK(qkv.size(1) >= (nq + nkv) * d, "qkv has fewer columns than the q and k heads need");
   const auto options = qkv.options().dtype(at::kFloat);
-  at::Tensor q = at::empty({T, nq, d}, options);
+  at::Tensor q = at::empty({T, nq, d}, options.dtype(q_bf16 ? at::kBFloat16 : at::kFloat));
   at::Tensor k = at::empty({T, nkv, d}, options);
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
   const int64_t stride = qkv.stride(0);
   const int isa = row_isa();
   with_input(qkv, bf16, [&](const auto* src) {
-    at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-      if (isa == 2) rope_rows_avx512(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
-      else if (isa == 1) rope_rows_avx2(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
-      else rope_rows_base(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
+    with_output(q, q_bf16, [&](auto* qp) {
+      at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+        if (isa == 2) rope_rows_avx512(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
+        else if (isa == 1) rope_rows_avx2(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
+        else rope_rows_base(src, stride, c, s, nq, nkv, d, qp, kp, t0, t1);
+      });
     });
   });
   return {q, k};
 }
 
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                           int64_t nq, int64_t nkv) {
+  return rope_heads(qkv, cos, sin, nq, nkv, false);
+}
+
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t nq, int64_t nkv,
-                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots_in) {
-  auto [q, k] = rope_qk(qkv, cos, sin, nq, nkv);
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots_in, bool q_bf16) {
+  auto [q, k] = rope_heads(qkv, cos, sin, nq, nkv, q_bf16);
   const int64_t T = qkv.size(0), d = q.size(2);
   const tm_kv::CacheFormat format = tm_kv::cache_format(k_cache.scalar_type());
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && k_cache.dim() == 3 &&
@@ -142,7 +149,7 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta_in, const at::Te
 TORCH_LIBRARY(tokenmill_fused, m) {
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int nq, int nkv) -> (Tensor, Tensor)", &rope_qk);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nq, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slots) -> Tensor", &rope_store);
+        "Tensor slots, bool q_bf16=False) -> Tensor", &rope_store);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps, bool bf16_out=False) -> Tensor", &add_rms_norm_);
 }

@@ -5,9 +5,10 @@
 //
 //   rope_qk(qkv, cos, sin, nq, nkv) -> (q, k): RoPE (HF's rotate_half form) on the q and k heads of
 //       a fused q/k/v projection, written to contiguous [T, heads, head_dim] tensors.
-//   rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots) -> q: the same, but k (roped) and v
-//       go straight to their cache slots (caches [kv_heads, slots, row] of any format in
-//       kv_cache_format.h: fp32, bf16, or int8 rows quantized here).
+//   rope_store(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots, q_bf16) -> q: the same, but k (roped)
+//       and v go straight to their cache slots (caches [kv_heads, slots, row] of any format in
+//       kv_cache_format.h: fp32, bf16, or int8 rows quantized here); q in bf16 where the step's
+//       attention reads bf16 queries (prompt_attention.py), rounded once from the same floats.
 //   silu_mul(gate_up) -> silu(gate) * up, for gate_up = [gate | up] along the last dim.
 //   add_rms_norm_(x, delta, w, eps) -> x += delta (in place), then returns RMSNorm(x) * w.
 //
@@ -61,23 +62,28 @@ TF_INLINE void put(uint16_t* p, int64_t i, float v) { p[i] = to_bf16(v); }
 constexpr float kRoundShifter = 12582912.0f;
 
 #define TF_DEFINE_VARIANT(SUFFIX, ATTR)                                                              \
-  template <typename In>                                                                             \
+  template <typename In, typename Out>                                                               \
+  ATTR TF_INLINE void rope_head_##SUFFIX(const In* x, const float* c, const float* s, int64_t half,   \
+                                         Out* o) {                                                   \
+    _Pragma("omp simd") for (int64_t i = 0; i < half; ++i) {                                         \
+      const float a = load(x, i), b = load(x, i + half);                                             \
+      put(o, i, a * c[i] - b * s[i]);                                                                \
+      put(o, i + half, b * c[i + half] + a * s[i + half]);                                           \
+    }                                                                                                \
+  }                                                                                                  \
+  /* q heads into Q (float, or bf16 rounded from the same float), k heads into float k */            \
+  template <typename In, typename Q>                                                                 \
   ATTR void rope_rows_##SUFFIX(const In* qkv, int64_t row_stride, const float* cos, const float* sin, \
-                               int64_t nq, int64_t nkv, int64_t d, float* q, float* k, int64_t t0,    \
+                               int64_t nq, int64_t nkv, int64_t d, Q* q, float* k, int64_t t0,        \
                                int64_t t1) {                                                        \
     const int64_t half = d / 2;                                                                      \
     for (int64_t t = t0; t < t1; ++t) {                                                              \
       const float* c = cos + t * d;                                                                  \
       const float* s = sin + t * d;                                                                  \
-      for (int64_t h = 0; h < nq + nkv; ++h) {                                                       \
-        const In* x = qkv + t * row_stride + h * d;                                                  \
-        float* o = h < nq ? q + (t * nq + h) * d : k + (t * nkv + h - nq) * d;                       \
-        _Pragma("omp simd") for (int64_t i = 0; i < half; ++i) {                                     \
-          const float a = load(x, i), b = load(x, i + half);                                         \
-          o[i] = a * c[i] - b * s[i];                                                                \
-          o[i + half] = b * c[i + half] + a * s[i + half];                                           \
-        }                                                                                            \
-      }                                                                                              \
+      const In* x = qkv + t * row_stride;                                                            \
+      for (int64_t h = 0; h < nq; ++h) rope_head_##SUFFIX(x + h * d, c, s, half, q + (t * nq + h) * d); \
+      for (int64_t h = 0; h < nkv; ++h)                                                              \
+        rope_head_##SUFFIX(x + (nq + h) * d, c, s, half, k + (t * nkv + h) * d);                     \
     }                                                                                                \
   }                                                                                                  \
   template <typename In, typename Out>                                                               \

@@ -27,9 +27,10 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nk
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """q [T, nq, D] with RoPE applied; k (with RoPE) and v written to the caches at `slots`."""
-    return torch.ops.tokenmill_fused.rope_store.default(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots)
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, q_bf16: bool = False) -> torch.Tensor:
+    """q [T, nq, D] with RoPE applied (float32, or with `q_bf16` the same values rounded to bfloat16);
+    k (with RoPE) and v written to the caches at `slots`."""
+    return torch.ops.tokenmill_fused.rope_store.default(qkv, cos, sin, nq, nkv, k_cache, v_cache, slots, q_bf16)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
