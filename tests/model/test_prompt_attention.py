@@ -157,12 +157,14 @@ def test_fast_mode_on_amx_sends_long_prompt_chunks_to_sdpa_and_agrees_with_the_k
     assert clear.sum() >= len(prompt) // 3 and torch.equal(on.argmax(-1)[clear], off.argmax(-1)[clear])
 
 
-@pytest.mark.parametrize("kv_dtype, bf16_queries", [("bf16", True), ("int8", False)])
+# Per step: a fresh chunk; a chunk after as long a prefix beside a fresh one. int8 rows (head_dim 32:
+# a rotated basis) take bf16 queries where the keys are rotated back (a fresh chunk with GQA), and
+# float32 ones where the queries are rotated instead (4 heads x n <= 2 KV heads x 2n).
+@pytest.mark.parametrize("kv_dtype, bf16_queries", [("bf16", [True, True]), ("int8", [True, False])])
 def test_bf16_queries_and_outputs_change_no_logit(tmp_path, monkeypatch, kv_dtype, bf16_queries):
-    """A step of prompt chunks that all attend on the flash kernel over bf16 rows takes its queries from
-    rope_store in bf16 and gives the attention output on in bf16 (no conversion passes): the same
-    numbers as rounding float32 queries on the way in, to the bit. int8 rows (a rotated basis) keep
-    float32 queries. Steps with decode rows or several chunks are covered as well."""
+    """A step of prompt chunks that all attend on the flash kernel with their queries as they are
+    takes the queries from rope_store in bf16 and gives the attention output on in bf16 (no
+    conversion passes): the same numbers as rounding float32 queries on the way in, to the bit."""
     folder = make_tiny_model(tmp_path, "llama", tokenizer=False, hidden_size=128, intermediate_size=256,
                              max_position_embeddings=1024)
     gguf = write_tiny_gguf(folder, tmp_path / "tiny.gguf", quant="Q4_1")
@@ -181,14 +183,14 @@ def test_bf16_queries_and_outputs_change_no_logit(tmp_path, monkeypatch, kv_dtyp
         attention = runner.model.attention
         real = TorchPagedAttention.bf16_queries.__get__(attention)
         attention.bf16_queries = lambda meta, k_cache: asked.append(real(meta, k_cache)) or (allow and real(meta, k_cache))
-        steps = [[SeqChunk(first[:n], 0, pages, sample=True, all_logits=True)],  # one chunk
-                 [SeqChunk(first[n:], n, pages, sample=True, all_logits=True),  # two chunks in one step
+        steps = [[SeqChunk(first[:n], 0, pages, sample=True, all_logits=True)],
+                 [SeqChunk(first[n:], n, pages, sample=True, all_logits=True),
                   SeqChunk(second, 0, other_pages, sample=True, all_logits=True)]]
         return torch.cat([runner.execute(step) for step in steps])
 
     on = logits(True)
     layers = len(asked) // 2
-    assert layers > 0 and asked == [bf16_queries] * 2 * layers
+    assert layers > 0 and asked == [bf16_queries[0]] * layers + [bf16_queries[1]] * layers
     off = logits(False)
     assert torch.equal(on, off)
 

@@ -105,11 +105,15 @@ class TorchPagedAttention(AttentionBackend):
 
     def bf16_queries(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> bool:
         """Whether this step's queries may come in bf16 (and its output leave in bf16): every row is
-        a prompt chunk's that torch's flash kernel attends in bf16 (prompt_attention.py), over rows
-        stored as they are read (bf16; int8 rows in a rotated basis rotate fp32 queries instead), so
-        the queries would be rounded to bf16 on the way in anyway and the output comes back in bf16."""
-        return (self.bf16_prompts and meta.num_decode == 0 and bool(meta.prefills)
-                and KVCacheFormat.of(k_cache).name == "bf16")
+        a prompt chunk's that torch's flash kernel attends in bf16 (prompt_attention.py) with its
+        queries as they are (not rotated into int8 rows' basis), so they would be rounded to bf16 on
+        the way in anyway and the output comes back in bf16."""
+        if not (self.bf16_prompts and meta.num_decode == 0 and meta.prefills):
+            return False
+        fmt = KVCacheFormat.of(k_cache)
+        return fmt.name != "fp32" and not any(
+            prompt_attention.rotates_queries(fmt, self.head_dim, span.q_len * self.num_heads,
+                                             span.kv_len * self.num_kv_heads) for span in meta.prefills)
 
     def attend(self, q, k_cache, v_cache, meta):
         num_tokens = q.shape[0]

@@ -57,9 +57,7 @@ def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, th
     """Causal attention of the chunk's queries over the context, in bf16 on torch's flash kernel."""
     q_len, kv_len = q.shape[0], keys.shape[1]
     rotated = fmt.rotated(q.shape[-1])
-    # Rotated rows: rotate the queries and outputs into their basis, or the keys and values back out of
-    # it, whichever side has fewer vectors (with GQA a fresh chunk has `group` times more queries).
-    rotate_queries = rotated and q_len * q.shape[1] <= kv_len * keys.shape[0]
+    rotate_queries = rotates_queries(fmt, q.shape[-1], q_len * q.shape[1], kv_len * keys.shape[0])
     query = (_rotate(q) if rotate_queries else q).to(torch.bfloat16).transpose(0, 1).unsqueeze(0)
     k, v = (_values(rows, fmt, rotated and not rotate_queries).unsqueeze(0) for rows in (keys, values))
     if kv_len == q_len:
@@ -73,6 +71,13 @@ def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, th
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     out = out.squeeze(0).transpose(0, 1)
     return (_rotate(out) if rotate_queries else out).to(q.dtype)
+
+
+def rotates_queries(fmt: KVCacheFormat, head_dim: int, query_vectors: int, kv_vectors: int) -> bool:
+    """Whether a chunk over rows stored in a rotated basis (int8) rotates its queries and outputs into
+    that basis (float32 queries in, float32 outputs out), rather than its keys and values back out of
+    it: whichever side has fewer vectors (with GQA a fresh chunk has `group` times more queries)."""
+    return fmt.rotated(head_dim) and query_vectors <= kv_vectors
 
 
 def _values(rows: torch.Tensor, fmt: KVCacheFormat, unrotate: bool) -> torch.Tensor:
