@@ -80,9 +80,11 @@ class SparseMoE:
             if count:
                 end = start + count
                 rows = tokens[start:end]
-                # weighted in place while in cache (a product into a new tensor cost ~2x), added to
-                # its tokens' rows in ascending expert order, as transformers adds them
-                y = expert(x[rows], fused).mul_(weights[start:end])
+                # rows gathered by index_select (advanced indexing's generic gather took 88 against
+                # 62 ms of a 16 x 115-token MoE prompt step); weighted in place while in cache (a
+                # product into a new tensor cost ~2x), added to its tokens' rows in ascending expert
+                # order, as transformers adds them
+                y = expert(x.index_select(0, rows), fused).mul_(weights[start:end])
                 out.index_add_(0, rows, y.to(out.dtype))
                 start = end
         if self.shared is not None:
