@@ -95,3 +95,19 @@ def test_rope_store_gives_bf16_queries_rounded_from_the_same_floats(rows, qkv_dt
     assert q16.dtype == torch.bfloat16 and q16.shape == (rows, nq, d) and q16.is_contiguous()
     assert torch.equal(q16, q32.bfloat16())
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("T, H, n", [(40, 1024, 7), (3, 64, 3), (300, 576, 1)])
+def test_weighted_index_add_is_mul_then_index_add(T, H, n):
+    """A MoE expert's weighted outputs added to its tokens' rows in one pass: the product rounded,
+    then the sum (no fused multiply-add), bit for bit as y.mul_(w) then index_add_."""
+    g = torch.Generator().manual_seed(T + n)
+    out = torch.randn(T, H, generator=g)
+    y = torch.randn(n, H, generator=g) * 3
+    w = torch.rand(n, 1, generator=g)
+    rows = torch.randperm(T, generator=g)[:n]
+    want = out.clone().index_add_(0, rows, y.clone().mul_(w))
+    fused_ops.weighted_index_add_(out, rows, y, w)
+    assert torch.equal(out, want)
+    with pytest.raises(RuntimeError, match="outside out"):
+        fused_ops.weighted_index_add_(out, torch.full((n,), T), y, w)

@@ -118,6 +118,25 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
+// out[rows[i]] += y[i] * w[i] for each row i of y (float32): a MoE expert's outputs weighted and added
+// to its tokens' rows in one pass, as `out.index_add_(0, rows, y.mul_(w))` computes them (the product
+// rounded, then the sum: never fused into one rounding). rows must be distinct (an expert's tokens).
+void weighted_index_add_(at::Tensor& out, const at::Tensor& rows_in, const at::Tensor& y_in, const at::Tensor& w_in) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat, "out must be contiguous float32 [T, H]");
+  const at::Tensor y = y_in.contiguous(), w = w_in.contiguous(), rows = rows_in.to(at::kLong).contiguous();
+  const int64_t n = y.size(0), H = out.size(1), T = out.size(0);
+  TORCH_CHECK(y.dim() == 2 && y.size(1) == H && y.scalar_type() == at::kFloat, "y must be float32 [n, H]");
+  TORCH_CHECK(rows.numel() == n && w.numel() == n && w.scalar_type() == at::kFloat, "one row index and one weight per row of y");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < T, "row ", r[i], " is outside out");
+  const float* yp = y.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, kRowGrain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) weighted_add_row(op + r[i] * H, yp + i * H, wp[i], H);
+  });
+}
+
 // x += delta (float32 or bfloat16); returns RMSNorm(x) * w, in bfloat16 when bf16_out.
 at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta_in, const at::Tensor& w_in, double eps,
                          bool bf16_out) {
@@ -151,5 +170,6 @@ TORCH_LIBRARY(tokenmill_fused, m) {
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nq, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slots, bool q_bf16=False) -> Tensor", &rope_store);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("weighted_index_add_(Tensor(a!) out, Tensor rows, Tensor y, Tensor w) -> ()", &weighted_index_add_);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps, bool bf16_out=False) -> Tensor", &add_rms_norm_);
 }

@@ -11,6 +11,8 @@
 //       attention reads bf16 queries (prompt_attention.py), rounded once from the same floats.
 //   silu_mul(gate_up) -> silu(gate) * up, for gate_up = [gate | up] along the last dim.
 //   add_rms_norm_(x, delta, w, eps) -> x += delta (in place), then returns RMSNorm(x) * w.
+//   weighted_index_add_(out, rows, y, w): out[rows[i]] += y[i] * w[i] (a MoE expert's weighted
+//       outputs), rounded as torch's mul_ then index_add_ round them.
 //
 // Rounding differs from the eager ops in the last bits (FMA contraction, the exp approximation in
 // silu), which is why only fast mode uses them. Rows are spread over threads only when there are
@@ -141,6 +143,15 @@ constexpr float kRoundShifter = 12582912.0f;
 TF_DEFINE_VARIANT(base, )
 TF_DEFINE_VARIANT(avx2, __attribute__((target("arch=x86-64-v3"))))
 TF_DEFINE_VARIANT(avx512, __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))))
+
+// o += y * w over n floats, the product rounded before the sum (no fused multiply-add), as torch's
+// mul_ then add compute it: the loop vectorises without contraction.
+__attribute__((optimize("fp-contract=off"))) inline void weighted_add_row(float* o, const float* y, float w, int64_t n) {
+  _Pragma("omp simd") for (int64_t j = 0; j < n; ++j) {
+    const float p = y[j] * w;
+    o[j] = o[j] + p;
+  }
+}
 
 bool use_avx512() {
 #if defined(__x86_64__)

@@ -38,6 +38,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill_fused.silu_mul.default(gate_up)
 
 
+def weighted_index_add_(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> None:
+    """out[rows[i]] += y[i] * weights[i] in place (float32; rows distinct): the same numbers as
+    `out.index_add_(0, rows, y * weights)`, in one pass."""
+    torch.ops.tokenmill_fused.weighted_index_add_.default(out, rows, y, weights)
+
+
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                   bf16_out: bool = False) -> torch.Tensor:
     """x += delta (float32 or bfloat16) in place; returns RMSNorm(x) * weight (bfloat16 if bf16_out)."""
