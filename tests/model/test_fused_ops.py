@@ -111,3 +111,23 @@ def test_weighted_index_add_is_mul_then_index_add(T, H, n):
     assert torch.equal(out, want)
     with pytest.raises(RuntimeError, match="outside out"):
         fused_ops.weighted_index_add_(out, torch.full((n,), T), y, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_attention_is_the_torch_expression_in_one_pass(dtype):
+    """A long chunk's attention over its prefix and over itself, merged by the prefix's share: bit for
+    bit own + (prefix - own) * share on float32 tensors, in the flash kernel's [1, H, L, D] layout (L
+    outermost in memory), and rounded once to bf16 when asked."""
+    g = torch.Generator().manual_seed(7)
+    H, L, D = 9, 37, 64
+    own = torch.randn(1, L, H, D, generator=g).to(dtype).transpose(1, 2)  # the flash kernel's strides
+    prefix = torch.randn(1, L, H, D, generator=g).to(dtype).transpose(1, 2)
+    share = torch.rand(1, H, L, generator=g)
+    o = own.float()
+    want = o + (prefix.float() - o) * share.unsqueeze(-1)
+    got = fused_ops.merge_attention(own, prefix, share)
+    assert got.dtype == torch.float32 and got.stride() == own.stride() and torch.equal(got, want)
+    got16 = fused_ops.merge_attention(own, prefix, share, bf16_out=True)
+    assert got16.dtype == torch.bfloat16 and torch.equal(got16, want.bfloat16())
+    with pytest.raises(RuntimeError, match="one dtype and layout"):
+        fused_ops.merge_attention(own, prefix.contiguous(), share)

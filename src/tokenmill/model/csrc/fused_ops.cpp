@@ -137,6 +137,38 @@ void weighted_index_add_(at::Tensor& out, const at::Tensor& rows_in, const at::T
   });
 }
 
+// own + (prefix - own) * share for attention outputs [1, H, L, D] (float32 or bf16, D contiguous, the
+// same strides) and share [1, H, L] float32: a long chunk's attention over its cached prefix and over
+// itself merged by the prefix's share of each query's softmax mass (model/prompt_attention.py), in one
+// pass, each step rounded to float32 as the torch expression rounds it (no fused multiply-add); the
+// result in float32 or, with bf16_out, rounded once to bf16.
+at::Tensor merge_attention(const at::Tensor& own, const at::Tensor& prefix, const at::Tensor& share_in, bool bf16_out) {
+  TORCH_CHECK(own.dim() == 4 && own.sizes() == prefix.sizes() && own.strides() == prefix.strides() &&
+                  own.scalar_type() == prefix.scalar_type() && own.stride(3) == 1 && own.size(0) == 1,
+              "own and prefix must be [1, H, L, D] of one dtype and layout, D contiguous");
+  const bool bf16_in = own.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16_in || own.scalar_type() == at::kFloat, "own and prefix must be float32 or bfloat16");
+  const int64_t H = own.size(1), L = own.size(2), D = own.size(3);
+  const at::Tensor share = share_in.contiguous();
+  TORCH_CHECK(share.numel() == H * L && share.scalar_type() == at::kFloat, "share must be float32 [1, H, L]");
+  at::Tensor out = at::empty_strided(own.sizes(), own.strides(), own.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  const int64_t sh = own.stride(1), sl = own.stride(2);
+  const float* sp = share.data_ptr<float>();
+  with_input(own, bf16_in, [&](const auto* o) {
+    const auto* p = reinterpret_cast<decltype(o)>(prefix.data_ptr());
+    with_output(out, bf16_out, [&](auto* r) {
+      at::parallel_for(0, L, kRowGrain, [&](int64_t l0, int64_t l1) {
+        for (int64_t l = l0; l < l1; ++l)
+          for (int64_t h = 0; h < H; ++h) {
+            const int64_t at = h * sh + l * sl;
+            merge_row(o + at, p + at, sp[h * L + l], r + at, D);
+          }
+      });
+    });
+  });
+  return out;
+}
+
 // x += delta (float32 or bfloat16); returns RMSNorm(x) * w, in bfloat16 when bf16_out.
 at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta_in, const at::Tensor& w_in, double eps,
                          bool bf16_out) {
@@ -171,5 +203,6 @@ TORCH_LIBRARY(tokenmill_fused, m) {
         "Tensor slots, bool q_bf16=False) -> Tensor", &rope_store);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("weighted_index_add_(Tensor(a!) out, Tensor rows, Tensor y, Tensor w) -> ()", &weighted_index_add_);
+  m.def("merge_attention(Tensor own, Tensor prefix, Tensor share, bool bf16_out=False) -> Tensor", &merge_attention);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps, bool bf16_out=False) -> Tensor", &add_rms_norm_);
 }

@@ -13,6 +13,8 @@
 //   add_rms_norm_(x, delta, w, eps) -> x += delta (in place), then returns RMSNorm(x) * w.
 //   weighted_index_add_(out, rows, y, w): out[rows[i]] += y[i] * w[i] (a MoE expert's weighted
 //       outputs), rounded as torch's mul_ then index_add_ round them.
+//   merge_attention(own, prefix, share, bf16_out) -> own + (prefix - own) * share: a long chunk's
+//       attention over its prefix and over itself merged (prompt_attention.py), in one pass.
 //
 // Rounding differs from the eager ops in the last bits (FMA contraction, the exp approximation in
 // silu), which is why only fast mode uses them. Rows are spread over threads only when there are
@@ -24,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 #include <torch/library.h>
 
 #include <bit>
@@ -150,6 +153,18 @@ __attribute__((optimize("fp-contract=off"))) inline void weighted_add_row(float*
   _Pragma("omp simd") for (int64_t j = 0; j < n; ++j) {
     const float p = y[j] * w;
     o[j] = o[j] + p;
+  }
+}
+
+// r = o + (p - o) * share over n values (float32 or bf16 in, float32 or bf16 out), each step rounded
+// to float32 as torch's ops on float32 tensors round it.
+template <typename In, typename Out>
+__attribute__((optimize("fp-contract=off"))) inline void merge_row(const In* o, const In* p, float share, Out* r, int64_t n) {
+  _Pragma("omp simd") for (int64_t j = 0; j < n; ++j) {
+    const float own = load(o, j);
+    const float d = load(p, j) - own;
+    const float m = d * share;
+    put(r, j, own + m);
   }
 }
 

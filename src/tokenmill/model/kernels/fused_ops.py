@@ -44,6 +44,13 @@ def weighted_index_add_(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, 
     torch.ops.tokenmill_fused.weighted_index_add_.default(out, rows, y, weights)
 
 
+def merge_attention(own: torch.Tensor, prefix: torch.Tensor, share: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+    """own + (prefix - own) * share[..., None] for attention outputs [1, H, L, D] (float32 or bfloat16)
+    and share [1, H, L]: the numbers of that expression on float32 tensors, in one pass; float32, or
+    rounded once to bfloat16 with bf16_out."""
+    return torch.ops.tokenmill_fused.merge_attention.default(own, prefix, share, bf16_out)
+
+
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                   bf16_out: bool = False) -> torch.Tensor:
     """x += delta (float32 or bfloat16) in place; returns RMSNorm(x) * weight (bfloat16 if bf16_out)."""
