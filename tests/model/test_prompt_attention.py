@@ -157,40 +157,54 @@ def test_fast_mode_on_amx_sends_long_prompt_chunks_to_sdpa_and_agrees_with_the_k
     assert clear.sum() >= len(prompt) // 3 and torch.equal(on.argmax(-1)[clear], off.argmax(-1)[clear])
 
 
-# Per step: a fresh chunk; a chunk after as long a prefix beside a fresh one. int8 rows (head_dim 32:
-# a rotated basis) take bf16 queries where the keys are rotated back (a fresh chunk with GQA), and
-# float32 ones where the queries are rotated instead (4 heads x n <= 2 KV heads x 2n).
-@pytest.mark.parametrize("kv_dtype, bf16_queries", [("bf16", [True, True]), ("int8", [True, False])])
+# Per step: a fresh chunk; a chunk after as long a prefix beside a fresh one; a decode row beside a fresh
+# chunk. int8 rows (head_dim 32: a rotated basis) take bf16 queries where the keys are rotated back (a
+# fresh chunk with GQA), and float32 ones where the queries are rotated instead (4 heads x n <= 2 KV
+# heads x 2n); a step with a decode row never (the decode kernel reads float32 queries).
+@pytest.mark.parametrize("kv_dtype, bf16_queries", [("bf16", [True, True, False]), ("int8", [True, False, False])])
 def test_bf16_queries_and_outputs_change_no_logit(tmp_path, monkeypatch, kv_dtype, bf16_queries):
     """A step of prompt chunks that all attend on the flash kernel with their queries as they are
-    takes the queries from rope_store in bf16 and gives the attention output on in bf16 (no
-    conversion passes): the same numbers as rounding float32 queries on the way in, to the bit."""
+    takes the queries from rope_store in bf16 and gives the attention output on in bf16, and any
+    step whose o_proj runs a bf16 GEMM gets its attention output in bf16 (decode rows' included): no
+    conversion passes, the same numbers as float32 on the way in and out, to the bit."""
     folder = make_tiny_model(tmp_path, "llama", tokenizer=False, hidden_size=128, intermediate_size=256,
                              max_position_embeddings=1024)
     gguf = write_tiny_gguf(folder, tmp_path / "tiny.gguf", quant="Q4_1")
     g = torch.Generator().manual_seed(5)
     n = BF16_PROMPT_MIN_ROWS + 10
     first = [int(t) for t in torch.randint(100, 250, (2 * n,), generator=g)]
-    second = [int(t) for t in torch.randint(100, 250, (n,), generator=g)]
-    pages, other_pages = list(range(-(-2 * n // 16))), list(range(40, 40 + -(-n // 16)))
+    second = [int(t) for t in torch.randint(100, 250, (n + 1,), generator=g)]
+    third = [int(t) for t in torch.randint(100, 250, (n,), generator=g)]
+    pages = list(range(-(-2 * n // 16)))
+    other_pages, third_pages = list(range(40, 40 + -(-(n + 1) // 16))), list(range(80, 80 + -(-n // 16)))
     monkeypatch.setattr(prompt_attention, "faster_here", lambda: True)
-    asked = []
+    asked, out_dtypes = [], []
 
     def logits(allow: bool) -> torch.Tensor:
         config = EngineConfig(model=str(gguf), precision="fast", num_threads=2, kv_cache_tokens=2048,
                               kv_cache_dtype=kv_dtype)
         runner = build_engine_core(config).runner
         attention = runner.model.attention
-        real = TorchPagedAttention.bf16_queries.__get__(attention)
-        attention.bf16_queries = lambda meta, k_cache: asked.append(real(meta, k_cache)) or (allow and real(meta, k_cache))
+        real_queries = TorchPagedAttention.bf16_queries.__get__(attention)
+        real_attend = TorchPagedAttention.attend.__get__(attention)
+        attention.bf16_queries = lambda meta, k_cache: asked.append(real_queries(meta, k_cache)) or (allow and real_queries(meta, k_cache))
+
+        def attend(q, k_cache, v_cache, meta, out_dtype=None):
+            out_dtypes.append(out_dtype)
+            return real_attend(q, k_cache, v_cache, meta, out_dtype if allow else None)
+        attention.attend = attend
         steps = [[SeqChunk(first[:n], 0, pages, sample=True, all_logits=True)],
                  [SeqChunk(first[n:], n, pages, sample=True, all_logits=True),
-                  SeqChunk(second, 0, other_pages, sample=True, all_logits=True)]]
+                  SeqChunk(second[:n], 0, other_pages, sample=True, all_logits=True)],
+                 [SeqChunk(second[n:], n, other_pages, sample=True, all_logits=True),
+                  SeqChunk(third, 0, third_pages, sample=True, all_logits=True)]]
+        assert runner.attends_as_rows(steps[2][0]) and not runner.attends_as_rows(steps[2][1])
         return torch.cat([runner.execute(step) for step in steps])
 
     on = logits(True)
-    layers = len(asked) // 2
-    assert layers > 0 and asked == [bf16_queries[0]] * layers + [bf16_queries[1]] * layers
+    layers = len(asked) // 3
+    assert layers > 0 and asked == [q for q in bf16_queries for _ in range(layers)]
+    assert out_dtypes == [torch.bfloat16] * 3 * layers  # every layer's o_proj runs bf16 GEMMs here
     off = logits(False)
     assert torch.equal(on, off)
 

@@ -70,8 +70,10 @@ class AttentionBackend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """`forward` for tokens whose K/V a fused op has already written into the cache."""
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`forward` for tokens whose K/V a fused op has already written into the cache; the output in
+        `out_dtype` (default q's), rounded as `.to(out_dtype)` would round it."""
 
     def bf16_queries(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> bool:
         """Whether `attend` takes this step's queries in bf16 (and gives its output in bf16)."""
@@ -115,20 +117,24 @@ class TorchPagedAttention(AttentionBackend):
             prompt_attention.rotates_queries(fmt, self.head_dim, span.q_len * self.num_heads,
                                              span.kv_len * self.num_kv_heads) for span in meta.prefills)
 
-    def attend(self, q, k_cache, v_cache, meta):
+    def attend(self, q, k_cache, v_cache, meta, out_dtype=None):
         num_tokens = q.shape[0]
         nd = meta.num_decode
+        out_dtype = out_dtype or q.dtype
         if nd == num_tokens:  # decode rows only (the common step): no output buffer to fill
-            return self._decode(q, k_cache, v_cache, meta).view(num_tokens, self.num_heads * self.head_dim)
+            out = self._decode(q, k_cache, v_cache, meta).view(num_tokens, self.num_heads * self.head_dim)
+            return out.to(out_dtype)
         if nd == 0 and len(meta.prefills) == 1 and meta.prefills[0].q_len == num_tokens:
             # one prompt chunk: its attention is the output (contiguous from the flash kernel)
-            return self._prefill(q, k_cache, v_cache, meta.prefills[0], meta.page_size).reshape(num_tokens, -1)
-        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype)
+            return self._prefill(q, k_cache, v_cache, meta.prefills[0], meta.page_size, out_dtype).reshape(num_tokens, -1)
+        # A step of decode rows and prompt chunks (serving's usual prompt step): each part is written
+        # into the output in out_dtype (bf16 where o_proj runs a bf16 GEMM: no float32 round trip)
+        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=out_dtype)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, span, meta.page_size)
+            out[rows] = self._prefill(q[rows], k_cache, v_cache, span, meta.page_size, out_dtype)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _gather_pages(self, cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -173,12 +179,13 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.matmul(probs, values)  # [kv_heads, nd, group, head_dim]
         return out.transpose(0, 1).reshape(nd, self.num_heads, hd)
 
-    def _prefill(self, q, k_cache, v_cache, span: PrefillSpan, page_size: int) -> torch.Tensor:
+    def _prefill(self, q, k_cache, v_cache, span: PrefillSpan, page_size: int,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         fmt = KVCacheFormat.of(k_cache)
         if self.bf16_prompts and fmt.name != "fp32":
             keys = self._gather_rows(k_cache, span.pages, page_size)[:, : span.kv_len]
             values = self._gather_rows(v_cache, span.pages, page_size)[:, : span.kv_len]
-            return prompt_attention.attend(q, keys, values, fmt, self.sdpa_scale)
+            return prompt_attention.attend(q, keys, values, fmt, self.sdpa_scale, out_dtype)
         keys = self._gather_pages(k_cache, span.pages, page_size)[:, : span.kv_len].unsqueeze(0)
         values = self._gather_pages(v_cache, span.pages, page_size)[:, : span.kv_len].unsqueeze(0)
         query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
@@ -192,4 +199,4 @@ class TorchPagedAttention(AttentionBackend):
             mask = torch.arange(span.kv_len).unsqueeze(0) <= q_pos
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True,
                                                  scale=self.sdpa_scale)
-        return out.squeeze(0).transpose(0, 1)
+        return out.squeeze(0).transpose(0, 1).to(out_dtype or q.dtype)

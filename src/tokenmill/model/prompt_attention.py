@@ -53,8 +53,10 @@ def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, th
            keys: torch.Tensor,  # [kv_heads, kv_len, row]: the context's stored K rows, in position order
            values: torch.Tensor,
            fmt: KVCacheFormat,
-           scale: float | None) -> torch.Tensor:  # [q_len, heads, head_dim] in q's dtype
+           scale: float | None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:  # [q_len, heads, head_dim] (default: q's dtype)
     """Causal attention of the chunk's queries over the context, in bf16 on torch's flash kernel."""
+    out_dtype = out_dtype or q.dtype
     q_len, kv_len = q.shape[0], keys.shape[1]
     rotated = fmt.rotated(q.shape[-1])
     rotate_queries = rotates_queries(fmt, q.shape[-1], q_len * q.shape[1], kv_len * keys.shape[0])
@@ -63,14 +65,14 @@ def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, th
     if kv_len == q_len:
         out = F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True, scale=scale)
     elif q_len >= SPLIT_MIN_QUERIES:
-        out = _causal_after_prefix(query, k, v, kv_len - q_len, scale, q.dtype == torch.bfloat16 and not rotate_queries)
+        out = _causal_after_prefix(query, k, v, kv_len - q_len, scale, out_dtype == torch.bfloat16 and not rotate_queries)
     else:
         # The chunk's queries sit at the end of the context: query i sees keys 0..offset + i.
         offset = kv_len - q_len
         mask = torch.arange(kv_len).unsqueeze(0) <= torch.arange(offset, kv_len).unsqueeze(1)
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     out = out.squeeze(0).transpose(0, 1)
-    return (_rotate(out) if rotate_queries else out).to(q.dtype)
+    return (_rotate(out) if rotate_queries else out).to(out_dtype)
 
 
 def rotates_queries(fmt: KVCacheFormat, head_dim: int, query_vectors: int, kv_vectors: int) -> bool:
