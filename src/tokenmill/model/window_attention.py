@@ -60,7 +60,11 @@ class WindowedPagedAttention(TorchPagedAttention):
         probs = self._scores(qg, keys, visible.view(1, nd, 1, -1))
         return torch.matmul(probs, values).transpose(0, 1).reshape(nd, self.num_heads, hd)
 
-    def _prefill(self, q, k_cache, v_cache, span: PrefillSpan, page_size: int) -> torch.Tensor:
+    def _prefill(self, q, k_cache, v_cache, span: PrefillSpan, page_size: int,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self._window_prefill(q, k_cache, v_cache, span, page_size).to(out_dtype or q.dtype)
+
+    def _window_prefill(self, q, k_cache, v_cache, span: PrefillSpan, page_size: int) -> torch.Tensor:
         offset = span.kv_len - span.q_len  # position of the chunk's first query
         first_page = int(self._first_visible(torch.tensor(offset))) // page_size
         start = first_page * page_size
