@@ -125,10 +125,9 @@ class DecoderLayer:
         q_bf16 = attention.bf16_queries(meta, k_cache)
         q = fused_ops.rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, k_cache, v_cache,
                                  meta.slot_mapping, q_bf16)
-        # bf16 where o_proj runs a bf16 GEMM (`bf16`): the output rounded once, as o_proj would round it
-        attn = attention.attend(q, k_cache, v_cache, meta, torch.bfloat16 if bf16 else None)
-        if attn.dtype == torch.bfloat16 and not bf16:  # o_proj runs the kernel on float32 here
-            attn = attn.float()
+        # in o_proj's input dtype: bf16 where it runs a bf16 GEMM (`bf16`), rounded once as it would
+        # round it, else float32 (the kernel's input)
+        attn = attention.attend(q, k_cache, v_cache, meta, torch.bfloat16 if bf16 else torch.float32)
         # o_proj's output as float32, as a float32 input gives it: add_rms_norm_ sums a bf16 delta's
         # squares in another order (last bits, which moved top-1 agreement by ~0.4 % of positions)
         h = fused_ops.add_rms_norm_(x, self.o_proj(attn).float(), self.post_norm, self.eps, bf16)
