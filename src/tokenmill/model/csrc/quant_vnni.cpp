@@ -2,60 +2,12 @@
 
 #include "blocked_ops.h"
 #include "dense_out.h"
-#include "quant_amx.h"
 #include "quant_bf16.h"
-#include "quant_vnni.h"
+#include "quant_multiply.h"
 
 namespace {
 
 using namespace tm_vnni;
-
-// y [M, N] = x @ W^T for weights side by side (one, or the parts of a fused linear: part i's column
-// blocks start at block0[i]; block0 ends with N / 16). x float32 [M, K], contiguous.
-// amx: steps of two terms and tm_amx::kAmxMinRows+ rows may run AMX-BF16 tiles instead (quant_amx.h),
-// where the CPU has them.
-at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
-                    int64_t terms, bool amx) {
-  const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
-  if (amx && terms == 2 && M >= tm_amx::kAmxMinRows && tm_amx::amx_ready()) return tm_amx::multiply(x, w, block0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  at::Tensor scratch;
-  const Acts a = acts_scratch(M, K, terms, x, scratch);
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  auto round = [&](int64_t m0, int64_t m1) {
-    if (terms == 2) quantize_rows<2>(xp, K, m0, m1, a);
-    else quantize_rows<1>(xp, K, m0, m1, a);
-  };
-  // y's column blocks b0..b1 (over all parts, in order) for rows m0..m1, each part into its columns
-  auto go = [&](int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
-    for (size_t i = 0; i < w.size(); ++i) {
-      const int64_t lo = std::max(b0, block0[i]), hi = std::min(b1, block0[i + 1]);
-      if (lo >= hi) continue;
-      float* yi = yp + block0[i] * kCols;
-      if (terms == 2) blocks<2>(w[i], a, m0, m1, N, lo - block0[i], hi - block0[i], yi);
-      else blocks<1>(w[i], a, m0, m1, N, lo - block0[i], hi - block0[i], yi);
-    }
-  };
-  if (M >= kSplitRowsFrom && N * K <= kSplitRowsMaxWeights) {
-    // Threads take rows (full tiles each, at least 8 rows), every thread rounding its own rows: the
-    // rounding (~13 ns a group and row, 30 us of K = 1536 x 48 rows) is split too, with no second
-    // fork or barrier. Each thread reads every weight: little against 16 rows' compute for a layer's
-    // matrix, but not for a vocabulary's (28 MB for SmolLM2's lm_head, whose rounding is nothing).
-    at::parallel_for(0, M, kMaxRows, [&](int64_t m0, int64_t m1) {
-      round(m0, m1);
-      go(m0, m1, 0, nblocks);
-    });
-  } else {
-    // Threads take column blocks, at least ~32k weights each (small layers do not pay a fork for
-    // nothing); the rows are rounded once, before.
-    round(0, M);
-    const int64_t grain = std::max<int64_t>(1, 32768 / (kCols * K));
-    at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) { go(0, M, b0, b1); });
-  }
-  return y;
-}
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                   const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms, bool amx) {
