@@ -20,14 +20,15 @@ The KV pool is allocated with torch.empty: its pages become resident as they are
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
 import time
 from collections.abc import Iterable
 from typing import Any
+
+from tokenmill.glibc_heap import glibc as _glibc
+from tokenmill.glibc_heap import malloc_trim
 
 logger = logging.getLogger(__name__)
 
@@ -37,31 +38,10 @@ MIN_TRIM_INTERVAL_S = 5.0
 # Under steady load: ~20 ms once a minute (0.03% of the time).
 BUSY_TRIM_INTERVAL_S = 60.0
 
-
-def _load_glibc() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        libc.malloc_trim.restype = ctypes.c_int
-        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        libc.mallopt.restype = ctypes.c_int
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim or tune
-        return None
-    return libc
-
-
-_glibc = _load_glibc()
-
 # mallopt's parameters (malloc.h) and the values a step-running process sets (keep_step_memory).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 STEP_MMAP_THRESHOLD = 32 << 20  # glibc's largest: bigger blocks are always mapped on their own
 STEP_TRIM_THRESHOLD = 128 << 20
-
-
-def malloc_trim() -> bool:
-    """Return freed heap (all arenas) to the OS; False where glibc is not the allocator."""
-    return bool(_glibc is not None and _glibc.malloc_trim(0))
 
 
 def keep_step_memory() -> bool:
