@@ -16,6 +16,7 @@ from typing import Protocol
 from tokenmill.errors import InvalidRequest
 from tokenmill.kvcache.kv_groups import KVLayout
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.huge_pages import move_to_huge_pages
 from tokenmill.model.kernels import cpu_isa
 from tokenmill.model.kv_cache_format import KVCacheFormat
 from tokenmill.model.layers.factory import LayerPolicy, describe_fallbacks
@@ -74,6 +75,7 @@ def build_model(
         logger.warning("%s", line)
     if shard is not None:
         shard.parallelize(model)
+    move_to_huge_pages(model)  # the weights on 2 MB pages where Linux has them (huge_pages.py)
     kv_format = KVCacheFormat.resolve(kv_cache_dtype, precision)
     # Fast mode attends prompts through the paged kernel too; exact keeps SDPA (transformers' numbers).
     as_rows = precision == "fast" and getattr(model, "prompts_as_decode_rows", True)
