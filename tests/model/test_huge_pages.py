@@ -86,8 +86,10 @@ def test_move_keeps_values_views_and_bound_calls(thp):
     root = Holder()
     root.base, root.view, root.ints = base, base[100:200], base.view(torch.int32)[7:9]
     only_view = torch.arange(1000, dtype=torch.int16).reshape(10, 100)[2:5]  # its base is not in the graph
-    root.layers = [only_view, {"scale": torch.randn(64, dtype=torch.float16)}]
-    expected = [t.clone() for t in (root.base, root.view, root.ints, only_view, root.layers[1]["scale"])]
+    with torch.inference_mode():  # a tensor made under inference mode refuses `set_` outside it
+        scale = torch.randn(64, dtype=torch.float16)
+    root.layers = [only_view, {"scale": scale}]
+    expected = [t.clone() for t in (root.base, root.view, root.ints, only_view, scale)]
     bound = (lambda w: lambda: w.sum())(root.view)  # a call bound before the move holds the tensor object
     old = base.data_ptr()
     moved = move_to_huge_pages(root)

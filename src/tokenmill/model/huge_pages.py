@@ -118,6 +118,16 @@ def move_to_huge_pages(root: Any) -> Moved | None:
         region.close()
         return None
     malloc_trim()  # what building the model freed (its transient copies), before the region fills
+    with torch.inference_mode():  # tensors made under it (a layer's tables) refuse `set_` outside
+        _fill(region, by_storage, sizes)
+    malloc_trim()
+    moved = Moved(sum(len(ts) for ts in by_storage.values()), len(by_storage), total)
+    logger.debug("moved %d tensors (%d storages, %.1f MB) onto huge pages", moved.tensors, moved.storages, total / 1e6)
+    return moved
+
+
+def _fill(region: mmap.mmap, by_storage: dict[int, list[torch.Tensor]], sizes: dict[int, int]) -> None:
+    """Each storage copied into `region` in turn, its tensors pointed at the copy."""
     offset = untrimmed = 0
     for ptr, tensors in by_storage.items():
         n = sizes[ptr]
@@ -131,7 +141,3 @@ def move_to_huge_pages(root: Any) -> Moved | None:
         if untrimmed >= TRIM_EVERY_BYTES:  # the storages moved so far are free now
             malloc_trim()
             untrimmed = 0
-    malloc_trim()
-    moved = Moved(sum(len(ts) for ts in by_storage.values()), len(by_storage), total)
-    logger.debug("moved %d tensors (%d storages, %.1f MB) onto huge pages", moved.tensors, moved.storages, total / 1e6)
-    return moved
