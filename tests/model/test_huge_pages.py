@@ -77,6 +77,7 @@ def test_walk_enters_tokenmill_objects_and_containers_once():
     root.slotted.weight = torch.full((3,), 2.0)
     root.foreign = Foreign()
     root.foreign.t = torch.full((5,), 3.0)
+    root.skipped = [torch.ones(6).to_sparse(), torch.ones(7, requires_grad=True)]  # not plain weights
     found = list(model_tensors(root))
     assert sorted(t.numel() for t in found) == [2, 3, 4]  # shared once; the foreign object's not entered
 

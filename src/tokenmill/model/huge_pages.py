@@ -72,8 +72,8 @@ def enabled() -> bool:
 
 
 def model_tensors(root: Any) -> Iterator[torch.Tensor]:
-    """Every CPU tensor reachable from `root` through tokenmill objects' attributes and lists,
-    tuples and dicts, each once. Other objects (functions, torch modules, loggers) are not entered."""
+    """Every dense CPU tensor (no grad) reachable from `root` through tokenmill objects' attributes and
+    lists, tuples and dicts, each once. Other objects (functions, torch modules, loggers) are not entered."""
     seen: set[int] = set()
     stack = [root]
     while stack:
@@ -82,7 +82,7 @@ def model_tensors(root: Any) -> Iterator[torch.Tensor]:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if obj.device.type == "cpu" and not obj.requires_grad:
+            if obj.device.type == "cpu" and obj.layout == torch.strided and not obj.requires_grad:
                 yield obj
         elif isinstance(obj, (list, tuple)):
             stack.extend(obj)
