@@ -195,8 +195,10 @@ def _print_report(report: dict, prompt_len: int, gen_len: int) -> None:
     load, load_end = s["load_average"], s["load_average_end"]
     wait = s["env"]["OMP_WAIT_POLICY"] or "default"
     loads = "n/a" if load is None else f"{load[0]:.2f} -> {load_end[0]:.2f}"
-    print(f"threads {s['threads']} (OMP_WAIT_POLICY {wait}), precision {s['precision']}, load average {loads}; "
-          f"ceilings fp32 {c['fp32']:.0f} GFLOP/s, bf16 {c['bf16']:.0f} GFLOP/s; commit {s['git_commit']}")
+    pages = "2 MB" if s.get("weights_on_huge_pages") else "4 kB"
+    print(f"threads {s['threads']} (OMP_WAIT_POLICY {wait}), precision {s['precision']}, weights on {pages} pages, "
+          f"load average {loads}; ceilings fp32 {c['fp32']:.0f} GFLOP/s, bf16 {c['bf16']:.0f} GFLOP/s; "
+          f"commit {s['git_commit']}")
     print(f"model {report['model']['path']}; pp{prompt_len}: random prompt to its first token; "
           f"tg{gen_len}: greedy after {s['decode_prompt_len']} prompt tokens, first token to last")
     if wait == "default" and s["threads"] > 1 and load is not None and load[0] > 1.0:
