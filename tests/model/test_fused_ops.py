@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.kernels import fused_ops
+from tokenmill.model.kv_cache_format import KVCacheFormat, rotate
 from tokenmill.model.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="the C++ ops could not be built here")
@@ -131,3 +132,35 @@ def test_merge_attention_is_the_torch_expression_in_one_pass(dtype):
     assert got16.dtype == torch.bfloat16 and torch.equal(got16, want.bfloat16())
     with pytest.raises(RuntimeError, match="one dtype and layout"):
         fused_ops.merge_attention(own, prefix.contiguous(), share)
+
+
+@pytest.mark.parametrize("hd", [16, 64, 128, 256, 24])  # 24: a head dim whose rows are not rotated
+def test_int8_rows_values_are_the_stored_values_in_one_pass(hd):
+    """int8 cache rows (a scale, then codes of H x) as bf16 values: bit for bit the format's own
+    code x scale rounded to bf16, and with `unrotate` the rotation back by the same butterflies as
+    kv_cache_format.rotate, rounded once; rows of any leading shape and layout (a gathered slice)."""
+    fmt = KVCacheFormat.named("int8")
+    g = torch.Generator().manual_seed(hd)
+    x = torch.randn(3, 70, hd, generator=g)
+    x[..., 1] *= 8  # an outlier channel
+    rows = fmt.encode(x)
+    got = fused_ops.int8_rows_values(rows)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert torch.equal(got, fmt.stored_values(rows, torch.bfloat16))
+    part = rows[:, 10:50]  # not contiguous
+    assert torch.equal(fused_ops.int8_rows_values(part), fmt.stored_values(part, torch.bfloat16))
+    if fmt.rotated(hd):
+        back = fused_ops.int8_rows_values(rows, unrotate=True)
+        assert torch.equal(back, rotate(fmt.stored_values(rows, torch.float32)).bfloat16())
+        # the values it gives back are x's, to within int8 and bf16 rounding
+        torch.testing.assert_close(back.float(), x, atol=0.1, rtol=0.02)
+    else:
+        with pytest.raises(RuntimeError, match="head_dim 24 are not rotated"):
+            fused_ops.int8_rows_values(rows, unrotate=True)
+
+
+def test_int8_rows_values_names_what_it_takes():
+    with pytest.raises(RuntimeError, match="int8 cache rows"):
+        fused_ops.int8_rows_values(torch.zeros(2, 68))
+    with pytest.raises(RuntimeError, match="int8 cache rows"):
+        fused_ops.int8_rows_values(torch.zeros(2, 4, dtype=torch.int8))

@@ -83,7 +83,12 @@ def rotates_queries(fmt: KVCacheFormat, head_dim: int, query_vectors: int, kv_ve
 
 
 def _values(rows: torch.Tensor, fmt: KVCacheFormat, unrotate: bool) -> torch.Tensor:
-    """The rows' values in bf16: as stored, or rotated back out of H's basis (in fp32, then rounded)."""
+    """The rows' values in bf16: as stored, or rotated back out of H's basis (in fp32, then rounded).
+    int8 rows take one pass of the fused op where it is built: three to five passes of torch ops (to
+    float, times the scale, a product with H, to bf16) cost an int8 prompt ~8 % more than a bf16 one
+    (docs/benchmarks.md, "int8 rows to bf16 values in one pass")."""
+    if fmt.name == "int8" and fused_ops.available():
+        return fused_ops.int8_rows_values(rows, unrotate)
     if not unrotate:
         return fmt.stored_values(rows, torch.bfloat16)
     return _rotate(fmt.stored_values(rows, torch.float32)).to(torch.bfloat16)

@@ -169,6 +169,29 @@ at::Tensor merge_attention(const at::Tensor& own, const at::Tensor& prefix, cons
   return out;
 }
 
+// int8 cache rows [..., n + 4] (kv_cache_format.py: a scale, then n codes) as bfloat16 values
+// [..., n]: what `KVCacheFormat.stored_values(rows, torch.bfloat16)` computes in three passes (to
+// float, times the scale, to bfloat16; bit for bit), and with `unrotate` the rows' H x rotated back
+// to x on the way, by the kernels' butterflies (prompt_attention.py multiplied by H in fp32 instead).
+at::Tensor int8_rows_values(const at::Tensor& rows_in, bool unrotate) {
+  TORCH_CHECK(rows_in.scalar_type() == at::kChar && rows_in.dim() >= 1 && rows_in.size(-1) > tm_kv::kInt8ScaleBytes,
+              "rows must be int8 cache rows [..., 4 + head_dim]");
+  const at::Tensor rows = rows_in.contiguous();
+  const int64_t width = rows.size(-1), n = width - tm_kv::kInt8ScaleBytes, count = rows.numel() / width;
+  TORCH_CHECK(!unrotate || tm_kv::rotates(n), "rows of head_dim ", n, " are not rotated (kv_rotation.h)");
+  std::vector<int64_t> sizes = rows.sizes().vec();
+  sizes.back() = n;
+  at::Tensor out = at::empty(sizes, rows.options().dtype(at::kBFloat16));
+  const int8_t* src = rows.data_ptr<int8_t>();
+  uint16_t* dst = bf16_ptr(out);
+  const bool wide = use_avx512();
+  at::parallel_for(0, count, 256, [&](int64_t r0, int64_t r1) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (int64_t r = r0; r < r1; ++r) int8_row_values(wide, src + r * width, n, unrotate, x.data(), dst + r * n);
+  });
+  return out;
+}
+
 // x += delta (float32 or bfloat16); returns RMSNorm(x) * w, in bfloat16 when bf16_out.
 at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta_in, const at::Tensor& w_in, double eps,
                          bool bf16_out) {
@@ -204,5 +227,6 @@ TORCH_LIBRARY(tokenmill_fused, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("weighted_index_add_(Tensor(a!) out, Tensor rows, Tensor y, Tensor w) -> ()", &weighted_index_add_);
   m.def("merge_attention(Tensor own, Tensor prefix, Tensor share, bool bf16_out=False) -> Tensor", &merge_attention);
+  m.def("int8_rows_values(Tensor rows, bool unrotate=False) -> Tensor", &int8_rows_values);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps, bool bf16_out=False) -> Tensor", &add_rms_norm_);
 }

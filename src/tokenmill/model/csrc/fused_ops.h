@@ -15,6 +15,8 @@
 //       outputs), rounded as torch's mul_ then index_add_ round them.
 //   merge_attention(own, prefix, share, bf16_out) -> own + (prefix - own) * share: a long chunk's
 //       attention over its prefix and over itself merged (prompt_attention.py), in one pass.
+//   int8_rows_values(rows, unrotate) -> int8 cache rows as bf16 values (code x scale, rotated back
+//       out of H's frame with `unrotate`), for the prompt's flash attention (prompt_attention.py).
 //
 // Rounding differs from the eager ops in the last bits (FMA contraction, the exp approximation in
 // silu), which is why only fast mode uses them. Rows are spread over threads only when there are
@@ -34,6 +36,7 @@
 #include <cstring>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include "cpu_isa_cap.h"
 #include "exp_approx.h"
@@ -121,6 +124,13 @@ constexpr float kRoundShifter = 12582912.0f;
       Out* o = out + t * hidden;                                                                     \
       _Pragma("omp simd") for (int64_t i = 0; i < hidden; ++i) put(o, i, w[i] * (xr[i] * inv));      \
     }                                                                                                \
+  }                                                                                                  \
+  /* an int8 cache row's values: code x scale in fp32 (torch's int8 -> float, then one product) */   \
+  ATTR void int8_values_##SUFFIX(const int8_t* row, float* x, int64_t n) {                           \
+    float scale;                                                                                     \
+    std::memcpy(&scale, row, sizeof(scale));                                                         \
+    const int8_t* codes = row + tm_kv::kInt8ScaleBytes;                                              \
+    _Pragma("omp simd") for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(codes[i]) * scale; \
   }                                                                                                  \
   template <typename In, typename Out>                                                               \
   ATTR void convert_##SUFFIX(const In* src, Out* dst, int64_t n) {                                   \
@@ -227,6 +237,16 @@ TF_INLINE void store_cache_row(bool wide, tm_kv::CacheFormat format, const In* s
       break;
     }
   }
+}
+
+// One int8 cache row (n values) as bf16 values in dst: code x scale, H x rotated back to x where
+// `unrotate` (H is its own inverse: kv_rotation.h), rounded to nearest even once. `x`: n floats.
+TF_INLINE void int8_row_values(bool wide, const int8_t* row, int64_t n, bool unrotate, float* x, uint16_t* dst) {
+  if (wide) int8_values_avx512(row, x, n);
+  else int8_values_base(row, x, n);
+  if (unrotate) tm_kv::rotate(x, n, wide);
+  if (wide) convert_avx512(static_cast<const float*>(x), dst, n);
+  else convert_base(static_cast<const float*>(x), dst, n);
 }
 
 }  // namespace

@@ -51,6 +51,13 @@ def merge_attention(own: torch.Tensor, prefix: torch.Tensor, share: torch.Tensor
     return torch.ops.tokenmill_fused.merge_attention.default(own, prefix, share, bf16_out)
 
 
+def int8_rows_values(rows: torch.Tensor, unrotate: bool = False) -> torch.Tensor:
+    """int8 cache rows [..., 4 + head_dim] as bfloat16 values [..., head_dim]: code x scale, the numbers
+    of `KVCacheFormat.stored_values(rows, torch.bfloat16)` in one pass; with `unrotate`, the rows' H x
+    rotated back to x before the rounding (kv_cache_format.py)."""
+    return torch.ops.tokenmill_fused.int8_rows_values.default(rows, unrotate)
+
+
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                   bf16_out: bool = False) -> torch.Tensor:
     """x += delta (float32 or bfloat16) in place; returns RMSNorm(x) * weight (bfloat16 if bf16_out)."""
