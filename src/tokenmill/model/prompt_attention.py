@@ -86,7 +86,7 @@ def _values(rows: torch.Tensor, fmt: KVCacheFormat, unrotate: bool) -> torch.Ten
     """The rows' values in bf16: as stored, or rotated back out of H's basis (in fp32, then rounded).
     int8 rows take one pass of the fused op where it is built: three to five passes of torch ops (to
     float, times the scale, a product with H, to bf16) cost an int8 prompt ~8 % more than a bf16 one
-    (docs/benchmarks.md, "int8 rows to bf16 values in one pass")."""
+    (docs/benchmarks.md, "Issue 26's int8 prompts cost what bf16 ones do")."""
     if fmt.name == "int8" and fused_ops.available():
         return fused_ops.int8_rows_values(rows, unrotate)
     if not unrotate:
