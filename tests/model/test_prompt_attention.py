@@ -1,6 +1,7 @@
-"""Prompt chunks attended in bf16 on torch's flash kernel (model/prompt_attention.py): the causal and
-offset masks, bf16 and int8 rows (the rotated basis undone), the pages gathered in the table's order,
-and fast mode on an AMX CPU sending long prompt chunks there while agreeing with the paged kernel's rows."""
+"""Prompt chunks attended in bf16 on AMX tiles, our kernel's or torch's flash attention
+(model/prompt_attention.py): the causal and offset masks, bf16 and int8 rows (the rotated basis
+undone), the pages gathered in the table's order, and fast mode on an AMX CPU sending long prompt
+chunks there while agreeing with the paged kernel's rows."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.factory import build_engine_core
 from tokenmill.model import prompt_attention
 from tokenmill.model.attention import PrefillSpan, TorchPagedAttention
+from tokenmill.model.kernels import prompt_flash
 from tokenmill.model.kv_cache_format import KVCacheFormat
 from tokenmill.model.runner import (
     BF16_PROMPT_MIN_PAIRS,
@@ -43,13 +45,22 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out
 
 
+@pytest.fixture(params=["tiles", "sdpa"])
+def path(request, monkeypatch):
+    """Each test below on both of the bf16 path's kernels: ours where it runs, and torch's flash."""
+    if request.param == "tiles" and not prompt_attention.on_tiles():
+        pytest.skip("no AMX tiles here for the prompt attention kernel")
+    monkeypatch.setattr(prompt_attention, "on_tiles", lambda: request.param == "tiles")
+    return request.param
+
+
 @pytest.mark.parametrize("q_len, kv_len, kvh, group, hd", [
     (40, 40, 3, 3, 64),  # a fresh prompt: is_causal
     (24, 70, 2, 4, 128),  # a chunk after a cached prefix: the offset mask
     (17, 17, 1, 4, 256),  # Gemma's head_dim, one KV head
     (prompt_attention.SPLIT_MIN_QUERIES, 700, 2, 2, 32),  # a long chunk after a prefix: two calls merged
 ])
-def test_bf16_rows_give_causal_attention(q_len, kv_len, kvh, group, hd):
+def test_bf16_rows_give_causal_attention(path, q_len, kv_len, kvh, group, hd):
     g = torch.Generator().manual_seed(kv_len)
     q = torch.randn(q_len, kvh * group, hd, generator=g)
     k, v = torch.randn(kvh, kv_len, hd, generator=g), torch.randn(kvh, kv_len, hd, generator=g)
@@ -64,7 +75,7 @@ def test_bf16_rows_give_causal_attention(q_len, kv_len, kvh, group, hd):
 # rotated rows (more queries than K/V vectors: K/V rotated back; fewer: queries and outputs rotated),
 # and a head dim whose rows keep plain codes
 @pytest.mark.parametrize("hd, q_len", [(64, 30), (64, 5), (48, 30)])
-def test_int8_rows_are_read_in_their_rotated_basis(hd, q_len):
+def test_int8_rows_are_read_in_their_rotated_basis(path, hd, q_len):
     g = torch.Generator().manual_seed(hd)
     q = torch.randn(q_len, 6, hd, generator=g)
     k, v = torch.randn(2, 50, hd, generator=g), torch.randn(2, 50, hd, generator=g)
@@ -76,7 +87,7 @@ def test_int8_rows_are_read_in_their_rotated_basis(hd, q_len):
 
 
 @pytest.mark.parametrize("fmt", [BF16, INT8])
-def test_prefill_spans_gather_the_pages_in_table_order(fmt):
+def test_prefill_spans_gather_the_pages_in_table_order(path, fmt):
     g = torch.Generator().manual_seed(3)
     kvh, group, hd, page = 2, 3, 64, 16
     k, v = torch.randn(kvh, 8 * page, hd, generator=g), torch.randn(kvh, 8 * page, hd, generator=g)
@@ -212,8 +223,10 @@ def test_bf16_queries_and_outputs_change_no_logit(tmp_path, monkeypatch, kv_dtyp
 @pytest.fixture
 def fresh_choice():
     prompt_attention.faster_here.cache_clear()
+    prompt_attention.on_tiles.cache_clear()
     yield
     prompt_attention.faster_here.cache_clear()
+    prompt_attention.on_tiles.cache_clear()
 
 
 def test_faster_here_needs_amx_and_a_cap_that_allows_it(monkeypatch, fresh_choice):
@@ -226,13 +239,17 @@ def test_faster_here_needs_amx_and_a_cap_that_allows_it(monkeypatch, fresh_choic
     assert prompt_attention.faster_here() == bool(torch.cpu._is_amx_tile_supported())
 
 
-@pytest.mark.parametrize("value, sdpa", [("sdpa", True), ("kernel", False), (" SDPA ", True)])
-def test_the_environment_chooses_the_path(monkeypatch, fresh_choice, value, sdpa):
+@pytest.mark.parametrize("value, bf16_path, ours", [("tiles", True, True), ("sdpa", True, False), (" SDPA ", True, False),
+                                                    ("kernel", False, False), ("", None, True)])
+def test_the_environment_chooses_the_path(monkeypatch, fresh_choice, value, bf16_path, ours):
     monkeypatch.setenv(prompt_attention.CHOICE_ENV, value)
-    assert prompt_attention.faster_here() is sdpa
+    if bf16_path is not None:
+        assert prompt_attention.faster_here() is bf16_path
+    # our tile kernel wherever it runs, unless torch's flash attention is asked for
+    assert prompt_attention.on_tiles() is (ours and prompt_flash.available())
 
 
 def test_an_unknown_choice_is_an_error_that_names_it(monkeypatch, fresh_choice):
     monkeypatch.setenv(prompt_attention.CHOICE_ENV, "flash")
-    with pytest.raises(ValueError, match=r"TOKENMILL_PROMPT_ATTENTION='flash' is not one of auto, sdpa, kernel"):
+    with pytest.raises(ValueError, match=r"TOKENMILL_PROMPT_ATTENTION='flash' is not one of auto, tiles, sdpa, kernel"):
         prompt_attention.faster_here()

@@ -1,4 +1,5 @@
-"""A prompt chunk's attention in bf16 through torch's flash attention, on CPUs whose AMX makes that faster.
+"""A prompt chunk's attention in bf16 on AMX tiles (our kernel, else torch's flash attention), on CPUs
+whose AMX makes that faster.
 
 Why: fast mode attends prompts as runs of decode rows in the paged kernel (csrc/paged_attention_runs.h),
 whose bf16 pair products run on the vector units. On a CPU with AMX, torch's flash attention
@@ -25,28 +26,41 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.kernels import cpu_isa, fused_ops
+from tokenmill.model.kernels import cpu_isa, fused_ops, prompt_flash
 from tokenmill.model.kv_cache_format import KVCacheFormat, rotate
 
 # From this many queries a chunk after a cached prefix attends in two calls (_causal_after_prefix)
 # instead of one under a mask: 1,024 over 2,048 keys 8.2 -> 6.8 ms, 2,048 over 4,096 33.4 -> 22.6 ms;
 # at 256 over 2,048 the merge cost more than it saved (2.4 -> 2.7 ms).
 SPLIT_MIN_QUERIES = 512
-CHOICE_ENV = "TOKENMILL_PROMPT_ATTENTION"  # auto (unset), sdpa or kernel: to measure either path anywhere
-CHOICES = ("auto", "sdpa", "kernel")
+# auto (unset), tiles, sdpa or kernel: to measure each path anywhere it runs
+CHOICE_ENV = "TOKENMILL_PROMPT_ATTENTION"
+CHOICES = ("auto", "tiles", "sdpa", "kernel")
+
+
+def _choice() -> str:
+    choice = os.environ.get(CHOICE_ENV, "").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{CHOICE_ENV}={choice!r} is not one of {', '.join(CHOICES)}")
+    return choice
 
 
 @functools.cache
 def faster_here() -> bool:
     """Whether fast mode's long prompt chunks take this path: by default where the CPU has AMX tiles and
-    the cap allows them (TOKENMILL_CPU_ISA unset or amx); TOKENMILL_PROMPT_ATTENTION=sdpa|kernel
+    the cap allows them (TOKENMILL_CPU_ISA unset or amx); TOKENMILL_PROMPT_ATTENTION=tiles|sdpa|kernel
     decides instead (a value it does not know is an error that names it)."""
-    choice = os.environ.get(CHOICE_ENV, "").strip().lower() or "auto"
-    if choice not in CHOICES:
-        raise ValueError(f"{CHOICE_ENV}={choice!r} is not one of {', '.join(CHOICES)}")
+    choice = _choice()
     if choice != "auto":
-        return choice == "sdpa"
+        return choice != "kernel"
     return cpu_isa.cap() == "amx" and bool(torch.cpu._is_amx_tile_supported())
+
+
+@functools.cache
+def on_tiles() -> bool:
+    """Whether this path attends on our AMX kernel (csrc/prompt_flash_amx.h) rather than torch's flash
+    attention: where it is built and the process may run tiles, unless TOKENMILL_PROMPT_ATTENTION=sdpa."""
+    return _choice() in ("auto", "tiles") and prompt_flash.available()
 
 
 def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, the last q_len positions
@@ -60,8 +74,13 @@ def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, th
     q_len, kv_len = q.shape[0], keys.shape[1]
     rotated = fmt.rotated(q.shape[-1])
     rotate_queries = rotates_queries(fmt, q.shape[-1], q_len * q.shape[1], kv_len * keys.shape[0])
-    query = (_rotate(q) if rotate_queries else q).to(torch.bfloat16).transpose(0, 1).unsqueeze(0)
-    k, v = (_values(rows, fmt, rotated and not rotate_queries).unsqueeze(0) for rows in (keys, values))
+    query = (_rotate(q) if rotate_queries else q).to(torch.bfloat16)
+    k, v = (_values(rows, fmt, rotated and not rotate_queries) for rows in (keys, values))
+    if on_tiles() and q.shape[-1] % 16 == 0:
+        out = prompt_flash.attend(query, k, v, scale or q.shape[-1] ** -0.5,
+                                  out_dtype == torch.bfloat16 and not rotate_queries)
+        return (_rotate(out) if rotate_queries else out).to(out_dtype)
+    query, k, v = query.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     if kv_len == q_len:
         out = F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True, scale=scale)
     elif q_len >= SPLIT_MIN_QUERIES:

@@ -29,7 +29,7 @@ from tokenmill.model.pooling import chunk_pool
 # sequence together, which measured 1.4x faster than SDPA's flash kernel for whole prompts
 # (docs/benchmarks.md).
 MAX_ROWS_AS_DECODE = 16
-# Where the attention attends prompts in bf16 on torch's flash kernel (model/prompt_attention.py: fast
+# Where the attention attends prompts in bf16 on AMX tiles (model/prompt_attention.py: fast
 # mode on AMX), chunks of more than MAX_ROWS_AS_DECODE tokens go there when they have this many tokens,
 # or when their attention (tokens x context) is this large; the rest stay runs of rows. Below ~192 rows
 # a prompt step is one fused C++ call (model/fused_decode.py), which measured 1.3-1.7x faster than the

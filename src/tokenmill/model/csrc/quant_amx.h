@@ -21,17 +21,14 @@
 // with two sub-blocks a group (Q2_K, Q6_K) take each half as a unit of 16 inputs with its own scale;
 // Q3_K folds its sub-block scales into B (kFolds). Two sets of tiles alternate between units, so that
 // a unit's sums are stored while the next one's multiply.
-// Linux hands a process the tile registers only when asked (arch_prctl): amx_ready() asks once.
+// Linux hands a process the tile registers only when asked (arch_prctl): amx_ready() (amx_tiles.h) asks once.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include "cpu_isa_cap.h"
 #include "quant_amx_acts.h"
 #include "quant_blocks.h"
 
@@ -46,33 +43,7 @@ using tm_vnni::kCols;
 using tm_vnni::kGroup;
 using tm_vnni::Weights;
 
-// Whether this process may run AMX-BF16 tiles: the CPU has them, TOKENMILL_CPU_ISA allows them, and
-// the kernel granted the tile data state.
-inline bool amx_ready() {
 #if TM_AMX_COMPILES
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    if (!tm_isa::allows(tm_isa::kCapAmx) || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
-        !__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vnni"))
-      return false;
-    constexpr long kReqPerm = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
-  }();
-  return yes;
-#else
-  return false;
-#endif
-}
-
-#if TM_AMX_COMPILES
-// A tile configuration (the `ldtilecfg` operand): palette 1, tile i of rows[i] x colsb[i] bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // Tiles 0-3 and 4-7: two sets of (sums C, A hi, A lo, B) for units of W inputs (32, or 16 for the
 // formats with two sub-blocks a group).

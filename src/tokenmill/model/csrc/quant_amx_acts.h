@@ -9,23 +9,13 @@
 
 #include <immintrin.h>
 
+#include "amx_tiles.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 namespace tm_amx {
-
-// Compilers that know AMX's intrinsics (GCC 11, clang 12 on). Built with another, the tiles are never
-// ready (quant_amx.h `amx_ready`) and the VNNI kernel runs every step.
-#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
-                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define TM_AMX_COMPILES 1
-#else
-#define TM_AMX_COMPILES 0
-#endif
-
-#define TA_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,f16c,fma,amx-tile,amx-bf16")))
-#define TA_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t kTileRows = 16;
 

@@ -1,0 +1,90 @@
+"""The prompt attention kernel on AMX tiles (csrc/prompt_flash_amx.h): causal attention of a chunk's
+queries at the end of its context against a float64 reference, over the shapes that exercise its
+blocking (query blocks of 16, key chunks of 256, up to 4 query heads a KV head at once, head dims padded
+to 32), its bf16 output, strided inputs, and the errors that name what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.model.kernels import prompt_flash
+
+pytestmark = pytest.mark.skipif(not prompt_flash.available(), reason="no AMX tiles here for the kernel")
+
+# bf16 scores' products and bf16 weights (8 bits), fp32 sums: outputs, weighted means of values
+# ~N(0, 1), within a few bf16 steps of the float64 result.
+BOUND = dict(atol=2.5e-2, rtol=2e-2)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 attention of q [Q, H, D] at the last Q positions of k, v [KVH, T, D]."""
+    q_len, heads, _ = q.shape
+    kvh, kv_len, _ = k.shape
+    group = heads // kvh
+    keys, values = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+    scores = torch.einsum("qhd,htd->hqt", q.double(), keys) * scale
+    seen = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    return torch.einsum("hqt,htd->qhd", probs, values)
+
+
+def inputs(q_len: int, kv_len: int, heads: int, kvh: int, hd: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).bfloat16()
+    return randn(q_len, heads, hd), randn(kvh, kv_len, hd), randn(kvh, kv_len, hd)
+
+
+@pytest.mark.parametrize("q_len, kv_len, heads, kvh, hd", [
+    (40, 40, 9, 3, 64),  # a fresh prompt, SmolLM2's heads: three query heads a KV head at once
+    (1000, 2000, 9, 3, 64),  # a long chunk after its prefix: many key chunks, the diagonal in the last
+    (24, 70, 8, 2, 128),  # four query heads a KV head
+    (17, 17, 4, 1, 256),  # Gemma's head dim, one KV head; a query block of one row
+    (33, 300, 10, 2, 32),  # five query heads a KV head: a part of four and one of one
+    (5, 300, 6, 2, 80),  # a head dim that is no multiple of 32: padded with zero dims
+    (1, 257, 2, 2, 64),  # one query (MHA), a context one key past a chunk
+    (128, 512, 4, 4, 16),  # the context exactly two chunks, queries exactly eight blocks
+])
+def test_matches_float64_causal_attention(q_len, kv_len, heads, kvh, hd):
+    q, k, v = inputs(q_len, kv_len, heads, kvh, hd, seed=kv_len)
+    scale = hd**-0.5
+    got = prompt_flash.attend(q, k, v, scale)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got.double(), reference(q, k, v, scale), **BOUND)
+    # bf16_out: the same float32 result rounded once
+    assert torch.equal(prompt_flash.attend(q, k, v, scale, True), got.bfloat16())
+
+
+def test_large_scores_and_the_scale_given():
+    # scores in the hundreds (a softmax that is nearly one-hot) and a scale other than 1 / sqrt(hd)
+    q, k, v = inputs(50, 400, 4, 2, 64, seed=7)
+    q = q * 8
+    got = prompt_flash.attend(q, k, v, 0.3)
+    torch.testing.assert_close(got.double(), reference(q, k, v, 0.3), **BOUND)
+    assert torch.isfinite(got).all()
+
+
+def test_strided_inputs_read_as_their_strides_say():
+    q, k, v = inputs(30, 90, 6, 2, 64, seed=3)
+    # queries as a column slice of a wider projection, K/V as the first 90 positions of longer rows
+    wide = torch.cat([q, torch.full_like(q, 9.0)], dim=1)[:, :6]
+    long_k = torch.cat([k, torch.full_like(k, 9.0)], dim=1)[:, :90]
+    long_v = torch.cat([v, torch.full_like(v, 9.0)], dim=1)[:, :90]
+    assert not wide.is_contiguous() and not long_k.is_contiguous()
+    want = prompt_flash.attend(q, k, v, 0.125)
+    assert torch.equal(prompt_flash.attend(wide, long_k, long_v, 0.125), want)
+
+
+def test_bad_inputs_are_errors_that_name_the_problem():
+    q, k, v = inputs(8, 16, 4, 2, 64)
+    with pytest.raises(RuntimeError, match="q must be a bfloat16 3-d tensor"):
+        prompt_flash.attend(q.float(), k, v, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim must be a positive multiple of 16"):
+        prompt_flash.attend(*inputs(8, 16, 4, 2, 24), 0.125)
+    with pytest.raises(RuntimeError, match="more queries than keys"):
+        prompt_flash.attend(*inputs(20, 16, 4, 2, 64), 0.125)
+    with pytest.raises(RuntimeError, match="multiple of the KV heads"):
+        prompt_flash.attend(*inputs(8, 16, 5, 2, 64), 0.125)
+    with pytest.raises(RuntimeError, match="k and v must have the same shape"):
+        prompt_flash.attend(q, k, v[:, :8], 0.125)
