@@ -31,13 +31,15 @@ from tokenmill.model.pooling import chunk_pool
 MAX_ROWS_AS_DECODE = 16
 # Where the attention attends prompts in bf16 on AMX tiles (model/prompt_attention.py: fast
 # mode on AMX), chunks of more than MAX_ROWS_AS_DECODE tokens go there when they have this many tokens,
-# or when their attention (tokens x context) is this large; the rest stay runs of rows. Below ~192 rows
+# or when their attention (tokens x context) is this large; the rest stay runs of rows. Below 192 rows
 # a prompt step is one fused C++ call (model/fused_decode.py), which measured 1.3-1.7x faster than the
-# layers op by op with SDPA for fresh prompts of 32-191 tokens; at 256 the two were even, at 512 SDPA
-# was 3-11% faster and at 2,048 1.8x. After a cached prefix, SDPA won from ~200k token pairs (64 tokens
-# after 4,000: 1.2x; 128 after 2,000: 1.15x) and lost below (32 after 4,000: 0.84x); at 130-145k they
-# were even (docs/benchmarks.md, "Prompt attention on AMX").
-BF16_PROMPT_MIN_ROWS = 256
+# layers op by op with SDPA for fresh prompts of 32-191 tokens. From 192 rows both are op by op, and
+# the tiles won: with our tile kernel (csrc/prompt_flash_amx.h) 107 against 112-115 ms at 192 tokens,
+# 121-124 against 132 at 256 (torch's flash kernel was even with the rows at 256). After a cached
+# prefix, SDPA won from ~200k token pairs (64 tokens after 4,000: 1.2x) in session 19; the rows have
+# caught up since, and from 130k to 1.5M pairs the two are now within noise of each other
+# (docs/benchmarks.md, "Prompt attention on AMX" and "Our own prompt attention on the tiles").
+BF16_PROMPT_MIN_ROWS = 192
 BF16_PROMPT_MIN_PAIRS = 196_608
 
 
