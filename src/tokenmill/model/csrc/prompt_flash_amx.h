@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -350,17 +351,21 @@ TA_TARGET inline void query_block(const Problem& pr, int64_t h0, int64_t qb, con
   }
 }
 
-// Items b .. e - 1 of (KV head, group of up to kHeads of its query heads, query block), on the calling
-// thread (its tiles configured here).
-TA_TARGET inline void run_items(const Problem& pr, int64_t b, int64_t e, const uint16_t* keys, const uint16_t* values,
+// Items of (KV head, group of up to kHeads of its query heads, query block), taken one at a time from
+// `next` until none is left, on the calling thread (its tiles configured here). A KV head's items go
+// out together (its K / V tiles stay in cache; taking the heads in turn cost a 1,000-token chunk after
+// its prefix 3.4 -> 4.1 ms), later query blocks first: they see more keys. Split in two static halves,
+// a fresh 2,048-token prompt's thread with the later blocks of the middle KV head did ~1.4x the other's
+// work (8.5 / 6.5 ms torch / ours -> 8.8 / 5.2).
+TA_TARGET inline void run_items(const Problem& pr, std::atomic<int64_t>& next, const uint16_t* keys, const uint16_t* values,
                                 int64_t Tp, int64_t D32) {
   configure();
   auto w = std::make_unique<Scratch>();
   w->qb.assign(kHeads * D32 * 16, 0);
   w->acc.resize(kHeads * pr.D * 16);
   const int64_t blocks = (pr.Q + kRows - 1) / kRows, group = pr.H / pr.KVH, parts = (group + kHeads - 1) / kHeads;
-  for (int64_t item = b; item < e; ++item) {
-    const int64_t qb = item % blocks, part = item / blocks % parts, g = item / blocks / parts;
+  for (int64_t item = next++; item < pr.KVH * parts * blocks; item = next++) {
+    const int64_t qb = blocks - 1 - item % blocks, part = item / blocks % parts, g = item / blocks / parts;
     const int64_t h0 = g * group + part * kHeads, R = std::min(kHeads, group - part * kHeads);
     const uint16_t* k = keys + g * Tp * D32;
     const uint16_t* v = values + g * Tp * pr.D;
@@ -372,7 +377,7 @@ TA_TARGET inline void run_items(const Problem& pr, int64_t b, int64_t e, const u
   _tile_release();
 }
 
-// The whole call: pack every KV head's keys and values, then every item in parallel.
+// The whole call: pack every KV head's keys and values, then every item, on every thread.
 inline void attend(const Problem& pr) {
   const int64_t Tp = round_up(pr.T, 64), D32 = round_up(pr.D, 32);
   std::vector<uint16_t> keys(pr.KVH * Tp * D32), values(pr.KVH * Tp * pr.D);
@@ -382,9 +387,10 @@ inline void attend(const Problem& pr) {
       else pack_values(pr, t / 2, Tp, values.data() + t / 2 * Tp * pr.D);
     }
   });
-  const int64_t blocks = (pr.Q + kRows - 1) / kRows, parts = (pr.H / pr.KVH + kHeads - 1) / kHeads;
-  at::parallel_for(0, pr.KVH * parts * blocks, 1,
-                   [&](int64_t b, int64_t e) { run_items(pr, b, e, keys.data(), values.data(), Tp, D32); });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) run_items(pr, next, keys.data(), values.data(), Tp, D32);
+  });
 }
 
 #endif  // TM_AMX_COMPILES
