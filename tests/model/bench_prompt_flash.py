@@ -8,11 +8,12 @@ ours (docs/benchmarks.md, "Our own prompt attention on the tiles"). Inputs are r
 from __future__ import annotations
 
 import argparse
-import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from tests.model.bench_amx_tiles import median_ms
 from tokenmill.model import prompt_attention
 from tokenmill.model.kernels import prompt_flash
 
@@ -20,17 +21,6 @@ from tokenmill.model.kernels import prompt_flash
 SHAPES = [("SmolLM2, 512 fresh", 512, 512, 9, 3, 64), ("SmolLM2, 2,048 fresh", 2048, 2048, 9, 3, 64),
           ("SmolLM2, 1,000 after 1,000", 1000, 2000, 9, 3, 64), ("SmolLM2, 256 after 4,000", 256, 4256, 9, 3, 64),
           ("Gemma 3 heads, 512 fresh", 512, 512, 4, 1, 256), ("8B heads, 512 fresh", 512, 512, 32, 8, 128)]
-
-
-def median_ms(fn, reps: int = 15) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[reps // 2] * 1e3
 
 
 def torch_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -53,8 +43,8 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         q = torch.randn(q_len, heads, hd, generator=g).bfloat16()
         k, v = (torch.randn(kvh, kv_len, hd, generator=g).bfloat16() for _ in range(2))
-        theirs = median_ms(lambda: torch_flash(q, k, v))
-        ours = median_ms(lambda: prompt_flash.attend(q, k, v, hd**-0.5, True))
+        theirs = median_ms(partial(torch_flash, q, k, v), reps=15)
+        ours = median_ms(partial(prompt_flash.attend, q, k, v, hd**-0.5, True), reps=15)
         print(f"{what:28s} {theirs:9.2f} {ours:9.2f} {theirs / ours:13.2f}x", flush=True)
 
 
