@@ -128,8 +128,10 @@ def test_fast_mode_on_amx_sends_long_prompt_chunks_to_sdpa_and_agrees_with_the_k
     other_pages = [len(pages), len(pages) + 1]
 
     calls = []
-    attend = prompt_attention.attend
+    attend, attend_pages = prompt_attention.attend, prompt_attention.attend_pages
     monkeypatch.setattr(prompt_attention, "attend", lambda *args: calls.append(args[0].shape[0]) or attend(*args))
+    monkeypatch.setattr(prompt_attention, "attend_pages",
+                        lambda *args: calls.append(args[0].shape[0]) or attend_pages(*args))
 
     def logits(amx: bool) -> tuple[torch.Tensor, ModelRunner]:
         monkeypatch.setattr(prompt_attention, "faster_here", lambda: amx)

@@ -5,10 +5,13 @@ to 32), its bf16 output, strided inputs, and the errors that name what is wrong.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from tokenmill.model.kernels import prompt_flash
+from tokenmill.model.kv_cache_format import KVCacheFormat
 
 pytestmark = pytest.mark.skipif(not prompt_flash.available(), reason="no AMX tiles here for the kernel")
 
@@ -49,18 +52,18 @@ def inputs(q_len: int, kv_len: int, heads: int, kvh: int, hd: int, seed: int = 0
 def test_matches_float64_causal_attention(q_len, kv_len, heads, kvh, hd):
     q, k, v = inputs(q_len, kv_len, heads, kvh, hd, seed=kv_len)
     scale = hd**-0.5
-    got = prompt_flash.attend(q, k, v, scale)
+    got = prompt_flash.attend_rows(q, k, v, scale)
     assert got.dtype == torch.float32 and got.shape == q.shape
     torch.testing.assert_close(got.double(), reference(q, k, v, scale), **BOUND)
     # bf16_out: the same float32 result rounded once
-    assert torch.equal(prompt_flash.attend(q, k, v, scale, True), got.bfloat16())
+    assert torch.equal(prompt_flash.attend_rows(q, k, v, scale, True), got.bfloat16())
 
 
 def test_large_scores_and_the_scale_given():
     # scores in the hundreds (a softmax that is nearly one-hot) and a scale other than 1 / sqrt(hd)
     q, k, v = inputs(50, 400, 4, 2, 64, seed=7)
     q = q * 8
-    got = prompt_flash.attend(q, k, v, 0.3)
+    got = prompt_flash.attend_rows(q, k, v, 0.3)
     torch.testing.assert_close(got.double(), reference(q, k, v, 0.3), **BOUND)
     assert torch.isfinite(got).all()
 
@@ -72,19 +75,54 @@ def test_strided_inputs_read_as_their_strides_say():
     long_k = torch.cat([k, torch.full_like(k, 9.0)], dim=1)[:, :90]
     long_v = torch.cat([v, torch.full_like(v, 9.0)], dim=1)[:, :90]
     assert not wide.is_contiguous() and not long_k.is_contiguous()
-    want = prompt_flash.attend(q, k, v, 0.125)
-    assert torch.equal(prompt_flash.attend(wide, long_k, long_v, 0.125), want)
+    want = prompt_flash.attend_rows(q, k, v, 0.125)
+    assert torch.equal(prompt_flash.attend_rows(wide, long_k, long_v, 0.125), want)
 
 
 def test_bad_inputs_are_errors_that_name_the_problem():
     q, k, v = inputs(8, 16, 4, 2, 64)
-    with pytest.raises(RuntimeError, match="q must be a bfloat16 3-d tensor"):
-        prompt_flash.attend(q.float(), k, v, 0.125)
-    with pytest.raises(RuntimeError, match="head_dim must be a positive multiple of 16"):
-        prompt_flash.attend(*inputs(8, 16, 4, 2, 24), 0.125)
+    with pytest.raises(RuntimeError, match=r"q must be a bfloat16 \[Q, H, D\] tensor"):
+        prompt_flash.attend_rows(q.float(), k, v, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16"):
+        prompt_flash.attend_rows(*inputs(8, 16, 4, 2, 24), 0.125)
     with pytest.raises(RuntimeError, match="more queries than keys"):
-        prompt_flash.attend(*inputs(20, 16, 4, 2, 64), 0.125)
+        prompt_flash.attend_rows(*inputs(20, 16, 4, 2, 64), 0.125)
     with pytest.raises(RuntimeError, match="multiple of the KV heads"):
-        prompt_flash.attend(*inputs(8, 16, 5, 2, 64), 0.125)
-    with pytest.raises(RuntimeError, match="k and v must have the same shape"):
-        prompt_flash.attend(q, k, v[:, :8], 0.125)
+        prompt_flash.attend_rows(*inputs(8, 16, 5, 2, 64), 0.125)
+    with pytest.raises(RuntimeError, match="k_cache and v_cache must be caches of one shape"):
+        prompt_flash.attend_rows(q, k, v[:, :8], 0.125)
+    pages = torch.tensor([1, 0])
+    with pytest.raises(RuntimeError, match=r"pages\[0\] = 1 is outside the cache's 1 pages"):
+        prompt_flash.attend(q, k, v, pages, 16, 16, 0.125)
+    with pytest.raises(RuntimeError, match="pages holds 1 pages; 16 keys need 2"):
+        prompt_flash.attend(q, k, v, pages[1:], 16, 8, 0.125)
+    with pytest.raises(RuntimeError, match="unrotate is for int8 rows"):
+        prompt_flash.attend(q, k, v, pages[1:], 16, 16, 0.125, unrotate=True)
+    with pytest.raises(RuntimeError, match="out must be a contiguous"):
+        prompt_flash.attend(q, k, v, pages[1:], 16, 16, 0.125, out=torch.empty(8, 4, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt, unrotate", [("bf16", False), ("int8", False), ("int8", True)])
+def test_reads_the_context_from_shuffled_cache_pages(fmt, unrotate):
+    """K / V read through the page list from a pool of pages, as the engine stores them: bf16 rows,
+    int8 rows in H's basis as they are (the caller rotates its queries and outputs), or turned back."""
+    page, kvh, hd, kv_len = 16, 2, 64, 150
+    g = torch.Generator().manual_seed(11)
+    pool = 16 * page
+    k, v = torch.randn(kvh, pool, hd, generator=g), torch.randn(kvh, pool, hd, generator=g)
+    k[..., 3] *= 5  # an outlier channel, as keys have
+    cache = KVCacheFormat.named(fmt)
+    k_cache, v_cache = cache.encode(k), cache.encode(v)
+    pages = torch.tensor([9, 2, 14, 0, 5, 11, 7, 3, 12, 1])  # 150 keys over ten shuffled pages
+    slots = torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages.tolist()])[:kv_len]
+    # as stored (int8: code x scale, H x), or turned back out of H's basis (H (H x) = x)
+    values_of = cache.decode if unrotate else partial(cache.stored_values, dtype=torch.float32)
+    keys, values = values_of(k_cache[:, slots]), values_of(v_cache[:, slots])
+    assert fmt == "bf16" or cache.rotated(hd)
+    q = torch.randn(40, 6, hd, generator=g).bfloat16()
+    got = prompt_flash.attend(q, k_cache, v_cache, pages, kv_len, page, 0.125, unrotate=unrotate)
+    torch.testing.assert_close(got.double(), reference(q, keys.bfloat16(), values.bfloat16(), 0.125), **BOUND)
+    # into a given output, the same numbers
+    out = torch.empty(40, 6, hd)
+    assert prompt_flash.attend(q, k_cache, v_cache, pages, kv_len, page, 0.125, unrotate=unrotate, out=out) is out
+    assert torch.equal(out, got)

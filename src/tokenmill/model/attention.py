@@ -133,8 +133,11 @@ class TorchPagedAttention(AttentionBackend):
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
         for span in meta.prefills:
-            rows = slice(span.q_start, span.q_start + span.q_len)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, span, meta.page_size, out_dtype)
+            rows = out[span.q_start:span.q_start + span.q_len]
+            part = self._prefill(q[span.q_start:span.q_start + span.q_len], k_cache, v_cache, span, meta.page_size,
+                                 out_dtype, into=rows)
+            if part is not rows:  # not written in place
+                rows.copy_(part)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _gather_pages(self, cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -180,8 +183,12 @@ class TorchPagedAttention(AttentionBackend):
         return out.transpose(0, 1).reshape(nd, self.num_heads, hd)
 
     def _prefill(self, q, k_cache, v_cache, span: PrefillSpan, page_size: int,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The chunk's attention [q_len, heads, head_dim]: `into` itself where the path writes it there."""
         fmt = KVCacheFormat.of(k_cache)
+        if self.bf16_prompts and fmt.name != "fp32" and prompt_attention.on_tiles_for(self.head_dim):
+            return prompt_attention.attend_pages(q, k_cache, v_cache, span.pages, span.kv_len, page_size, fmt,
+                                                 self.sdpa_scale, out_dtype, into)
         if self.bf16_prompts and fmt.name != "fp32":
             keys = self._gather_rows(k_cache, span.pages, page_size)[:, : span.kv_len]
             values = self._gather_rows(v_cache, span.pages, page_size)[:, : span.kv_len]

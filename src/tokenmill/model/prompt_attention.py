@@ -63,24 +63,26 @@ def on_tiles() -> bool:
     return _choice() in ("auto", "tiles") and prompt_flash.available()
 
 
+def on_tiles_for(head_dim: int) -> bool:
+    """Whether a chunk of this head dim attends on our tile kernel (whose tiles take multiples of 16)."""
+    return on_tiles() and head_dim % 16 == 0 and head_dim <= 256
+
+
 def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, the last q_len positions
            keys: torch.Tensor,  # [kv_heads, kv_len, row]: the context's stored K rows, in position order
            values: torch.Tensor,
            fmt: KVCacheFormat,
            scale: float | None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:  # [q_len, heads, head_dim] (default: q's dtype)
-    """Causal attention of the chunk's queries over the context, in bf16 on torch's flash kernel."""
+    """Causal attention of the chunk's queries over the context's rows, in bf16 on the tiles."""
+    if on_tiles_for(q.shape[-1]):  # the rows as one page of kv_len slots
+        return attend_pages(q, keys, values, _ONE_PAGE, keys.shape[1], keys.shape[1], fmt, scale, out_dtype)
     out_dtype = out_dtype or q.dtype
     q_len, kv_len = q.shape[0], keys.shape[1]
     rotated = fmt.rotated(q.shape[-1])
     rotate_queries = rotates_queries(fmt, q.shape[-1], q_len * q.shape[1], kv_len * keys.shape[0])
-    query = (_rotate(q) if rotate_queries else q).to(torch.bfloat16)
-    k, v = (_values(rows, fmt, rotated and not rotate_queries) for rows in (keys, values))
-    if on_tiles() and q.shape[-1] % 16 == 0:
-        out = prompt_flash.attend(query, k, v, scale or q.shape[-1] ** -0.5,
-                                  out_dtype == torch.bfloat16 and not rotate_queries)
-        return (_rotate(out) if rotate_queries else out).to(out_dtype)
-    query, k, v = query.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    query = (_rotate(q) if rotate_queries else q).to(torch.bfloat16).transpose(0, 1).unsqueeze(0)
+    k, v = (_values(rows, fmt, rotated and not rotate_queries).unsqueeze(0) for rows in (keys, values))
     if kv_len == q_len:
         out = F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True, scale=scale)
     elif q_len >= SPLIT_MIN_QUERIES:
@@ -92,6 +94,33 @@ def attend(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, th
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     out = out.squeeze(0).transpose(0, 1)
     return (_rotate(out) if rotate_queries else out).to(out_dtype)
+
+
+_ONE_PAGE = torch.zeros(1, dtype=torch.long)
+
+
+def attend_pages(q: torch.Tensor,  # [q_len, heads, head_dim]: the chunk's queries, the last q_len positions
+                 k_cache: torch.Tensor,  # [kv_heads, slots, row]: a layer's cache
+                 v_cache: torch.Tensor,
+                 pages: torch.Tensor,  # the sequence's pages, in position order
+                 kv_len: int,
+                 page_size: int,
+                 fmt: KVCacheFormat,
+                 scale: float | None,
+                 out_dtype: torch.dtype | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """attend() on our tile kernel (on_tiles_for must hold), which reads K / V from the cache's pages
+    (no gathered copy, int8 rows turned into bf16 as it packs them). Written into `out` where it is
+    given, of out_dtype and contiguous, and the queries are not rotated; returned either way."""
+    out_dtype = out_dtype or q.dtype
+    head_dim = q.shape[-1]
+    rotate_queries = rotates_queries(fmt, head_dim, q.shape[0] * q.shape[1], kv_len * k_cache.shape[0])
+    query = (_rotate(q) if rotate_queries else q).to(torch.bfloat16)
+    bf16_out = out_dtype == torch.bfloat16 and not rotate_queries
+    into = out if out is not None and not rotate_queries and out.dtype == out_dtype and out.is_contiguous() else None
+    result = prompt_flash.attend(query, k_cache, v_cache, pages, kv_len, page_size, scale or head_dim**-0.5, bf16_out,
+                                 fmt.rotated(head_dim) and not rotate_queries, into)
+    return (_rotate(result) if rotate_queries else result).to(out_dtype)
 
 
 def rotates_queries(fmt: KVCacheFormat, head_dim: int, query_vectors: int, kv_vectors: int) -> bool:

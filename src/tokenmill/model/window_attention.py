@@ -61,7 +61,7 @@ class WindowedPagedAttention(TorchPagedAttention):
         return torch.matmul(probs, values).transpose(0, 1).reshape(nd, self.num_heads, hd)
 
     def _prefill(self, q, k_cache, v_cache, span: PrefillSpan, page_size: int,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
         return self._window_prefill(q, k_cache, v_cache, span, page_size).to(out_dtype or q.dtype)
 
     def _window_prefill(self, q, k_cache, v_cache, span: PrefillSpan, page_size: int) -> torch.Tensor:

@@ -32,28 +32,9 @@
 #include <memory>
 #include <vector>
 
-#include "amx_tiles.h"
+#include "prompt_flash_pack.h"
 
 namespace tm_flash {
-
-// One call's tensors: q [Q, H, D], k and v [KVH, T, D] (bf16, rows contiguous), out [Q, H, D].
-struct Problem {
-  const uint16_t* q;
-  int64_t q_token_stride, q_head_stride;
-  const uint16_t* k;
-  int64_t k_head_stride, k_row_stride;
-  const uint16_t* v;
-  int64_t v_head_stride, v_row_stride;
-  void* out;  // contiguous, float32 or (bf16_out) bf16
-  bool bf16_out;
-  int64_t Q, T, H, KVH, D;
-  float scale;
-};
-
-constexpr int64_t kRows = 16;        // queries a block (a tile's rows)
-constexpr int64_t kTileElems = 512;  // bf16 in a 16 x 64-byte tile
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 #if TM_AMX_COMPILES
 
@@ -68,77 +49,6 @@ TA_TARGET TA_INLINE void configure() {
     return c;
   }();
   _tile_loadconfig(&config);
-}
-
-// The interleave of two 16-lane halves of a vector of 32 bf16 into pairs: word 2 n = a[n], 2 n + 1 =
-// b[n] for [a | b] (AMX's B rows: two consecutive inputs of 16 columns).
-TA_TARGET TA_INLINE __m512i interleave_halves(__m512i ab) {
-  const __m512i index = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
-                                          0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001a000a, 0x001b000b,
-                                          0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
-  return _mm512_permutexvar_epi16(index, ab);
-}
-
-// A 16 x 16 matrix of 32-bit words (r[i] = row i) transposed in place: unpacks within 128-bit lanes,
-// then lanes across registers.
-TA_TARGET TA_INLINE void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
-    t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
-    t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
-    t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
-  }
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-    r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd);
-  }
-}
-
-// The keys of KV head g as A tiles: [Tp / 16][D32 / 32] tiles of 16 keys x 32 dims, zero past T, D.
-TA_TARGET inline void pack_keys(const Problem& pr, int64_t g, int64_t Tp, int64_t D32, uint16_t* dst) {
-  const int64_t J = D32 / 32;
-  const uint16_t* base = pr.k + g * pr.k_head_stride;
-  std::memset(dst, 0, Tp * D32 * 2);
-  for (int64_t key = 0; key < pr.T; ++key)
-    for (int64_t j = 0; j * 32 < pr.D; ++j)
-      std::memcpy(dst + ((key / 16 * J + j) * 16 + key % 16) * 32, base + key * pr.k_row_stride + 32 * j,
-                  std::min<int64_t>(32, pr.D - 32 * j) * 2);
-}
-
-// The values of KV head g as V^T's A tiles: [Tp / 32][D / 16] tiles, row d of tile (kb, c) = dim
-// 16 c + d of keys 32 kb .. 32 kb + 31, zero past T: word p of row d = keys 2 p, 2 p + 1, so a tile is
-// the transpose of the 16 rows of key pairs interleaved.
-TA_TARGET TA_INLINE __m256i value_dims(const Problem& pr, const uint16_t* base, int64_t key, int64_t c) {
-  return key < pr.T ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + key * pr.v_row_stride + 16 * c))
-                    : _mm256_setzero_si256();
-}
-
-TA_TARGET inline void pack_values(const Problem& pr, int64_t g, int64_t Tp, uint16_t* dst) {
-  const int64_t C = pr.D / 16;
-  const uint16_t* base = pr.v + g * pr.v_head_stride;
-  for (int64_t kb = 0; kb < Tp / 32; ++kb) {
-    for (int64_t c = 0; c < C; ++c) {
-      __m512i r[16];
-      for (int64_t p = 0; p < 16; ++p)
-        r[p] = interleave_halves(_mm512_inserti64x4(_mm512_castsi256_si512(value_dims(pr, base, kb * 32 + 2 * p, c)),
-                                                    value_dims(pr, base, kb * 32 + 2 * p + 1, c), 1));
-      transpose16(r);
-      for (int64_t d = 0; d < 16; ++d) _mm512_storeu_si512(dst + (kb * C + c) * kTileElems + 32 * d, r[d]);
-    }
-  }
 }
 
 // Keys a chunk: the running max is updated (and the outputs rescaled) once a chunk, and a chunk's
