@@ -94,7 +94,7 @@ class TorchPagedAttention(AttentionBackend):
         # Build/load the C++ decode kernel now, not in the first step; decided once (an environment
         # lookup per layer and step cost ~0.25 ms of a 6 ms batch-1 step).
         self.kernel = cpu_attention_kernel.available()
-        # Prefill chunks over bf16 / int8 caches in bf16 on torch's flash kernel (prompt_attention.py):
+        # Prefill chunks over bf16 / int8 caches in bf16 on AMX tiles (prompt_attention.py):
         # fast mode on CPUs with AMX; otherwise they are computed in fp32 from the decoded rows.
         self.bf16_prompts = bf16_prompts
 
@@ -107,7 +107,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def bf16_queries(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> bool:
         """Whether this step's queries may come in bf16 (and its output leave in bf16): every row is
-        a prompt chunk's that torch's flash kernel attends in bf16 (prompt_attention.py) with its
+        a prompt chunk's that the tiles attend in bf16 (prompt_attention.py) with its
         queries as they are (not rotated into int8 rows' basis), so they would be rounded to bf16 on
         the way in anyway and the output comes back in bf16."""
         if not (self.bf16_prompts and meta.num_decode == 0 and meta.prefills):

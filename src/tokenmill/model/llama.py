@@ -161,8 +161,8 @@ class LlamaForCausalLM:
             embed = self.lm_head.weight  # the lm_head's layout (maybe re-blocked): still one copy
         self.embed_tokens = make_embedding(embed, policy)
         self.rope = RotaryEmbedding(config, max_positions)
-        # Fast mode on CPUs with AMX attends long prompt chunks in bf16 on torch's flash kernel, the
-        # faster there (model/prompt_attention.py); the paged kernel takes the rest as runs of decode rows.
+        # Fast mode on CPUs with AMX attends long prompt chunks in bf16 on the tiles, the faster there
+        # (model/prompt_attention.py); the paged kernel takes the rest as runs of decode rows.
         bf16_prompts = policy.precision == "fast" and prompt_attention.faster_here()
         self.attention = attention or TorchPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim,
                                                           bf16_prompts=bf16_prompts)

@@ -6,8 +6,11 @@ whose bf16 pair products run on the vector units. On a CPU with AMX, torch's fla
 (`scaled_dot_product_attention`, oneDNN's AMX brgemm inside) multiplies the same bf16 values on the
 tiles: on a 2-core Xeon with AMX it attended SmolLM2's 512-token prompt in 1.1 ms a layer against the
 kernel's 2.05, and made a whole 2,048-token prompt 1.8x faster (docs/benchmarks.md, "Prompt attention
-on AMX"). Without AMX the kernel is kept: on Zen 5 it ran 0.72 ms a layer at 512 (session 12), and
-SDPA there is not measured yet (TOKENMILL_PROMPT_ATTENTION=sdpa is how to).
+on AMX"). Our own tile kernel (csrc/prompt_flash_amx.h, reading K/V from the cache's pages) is
+1.3-2.25x torch's there, most at a long chunk after its prefix ("Our own prompt attention on the
+tiles"); torch's stays the path where that kernel is not built. Without AMX the paged kernel is kept:
+on Zen 5 it ran 0.72 ms a layer at 512 (session 12), and SDPA there is not measured yet
+(TOKENMILL_PROMPT_ATTENTION=sdpa is how to).
 
 What it computes is the kernel's arithmetic in another order: bf16 queries, keys and values, fp32
 scores and softmax, bf16 weights times bf16 values summed in fp32. K/V come from the pages the step has
