@@ -9,14 +9,14 @@
 //
 // How, per item of (KV head, up to kHeads of its query heads, 16 queries), chunk by chunk of keys:
 //  - scores transposed, S^T = K Q^T: K's tiles stream from L2 once for all the item's heads, the
-//    queries' B tiles are small and stay in L1; a chunk's scores stay in L1 too;
+//    queries' B tiles are small and stay in L1, a chunk's scores in L1 / L2;
 //  - the softmax with a query per lane: running max and sum as vectors, no horizontal reductions,
 //    the causal mask a lane compare on the diagonal's chunk only, the exp a short polynomial;
 //  - outputs transposed, O^T = V^T P^T: the weights leave the softmax already as B rows (key pairs
 //    interleaved), V^T's tiles stream once for all heads; the running outputs are rescaled as the
 //    max grows (flash attention's update), and transposed back once at the end.
 // Layouts: K as A tiles of 16 keys x 32 dims; V^T as A tiles of 16 dims x 32 keys; both packed per
-// call, zero past the context (keys to a multiple of 64, dims to one of 32), so padded scores are
+// call from the cache's pages (prompt_flash_pack.h), zero past the context (keys to a multiple of 64, dims to one of 32), so padded scores are
 // finite and masked, and padded weights are zero times zero. Query i of Q sits at position T - Q + i
 // and sees keys 0 .. T - Q + i; an item computes only the chunks some query of it sees.
 
@@ -26,8 +26,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>

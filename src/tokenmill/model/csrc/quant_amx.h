@@ -47,17 +47,23 @@ using tm_vnni::Weights;
 
 // Tiles 0-3 and 4-7: two sets of (sums C, A hi, A lo, B) for units of W inputs (32, or 16 for the
 // formats with two sub-blocks a group).
+// (A static object: GCC's `_tile_loadconfig` tells the compiler it reads 8 bytes, so stores to a
+// local configuration past those may be dropped as dead; they happened not to be here, and did in
+// prompt_flash_amx.h.)
 template <int W>
 TA_TARGET TA_INLINE void configure() {
-  TileConfig c{};
-  c.palette_id = 1;
-  for (int s = 0; s < 2; ++s) {
-    c.rows[4 * s + 0] = 16, c.colsb[4 * s + 0] = 64;         // C: 16 rows x 16 fp32
-    c.rows[4 * s + 1] = 16, c.colsb[4 * s + 1] = 2 * W;      // A hi: 16 rows x W bf16
-    c.rows[4 * s + 2] = 16, c.colsb[4 * s + 2] = 2 * W;      // A lo
-    c.rows[4 * s + 3] = W / 2, c.colsb[4 * s + 3] = 64;      // B: W / 2 pairs of inputs x 16 columns
-  }
-  _tile_loadconfig(&c);
+  static const TileConfig config = [] {
+    TileConfig c{};
+    c.palette_id = 1;
+    for (int s = 0; s < 2; ++s) {
+      c.rows[4 * s + 0] = 16, c.colsb[4 * s + 0] = 64;     // C: 16 rows x 16 fp32
+      c.rows[4 * s + 1] = 16, c.colsb[4 * s + 1] = 2 * W;  // A hi: 16 rows x W bf16
+      c.rows[4 * s + 2] = 16, c.colsb[4 * s + 2] = 2 * W;  // A lo
+      c.rows[4 * s + 3] = W / 2, c.colsb[4 * s + 3] = 64;  // B: W / 2 pairs of inputs x 16 columns
+    }
+    return c;
+  }();
+  _tile_loadconfig(&config);
 }
 
 // Formats whose integer sub-block scales fold into B exactly: Q3_K's (code - 4) x scale is within
