@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 
-from tokenmill.model.kernels import prompt_flash
+from tokenmill.model.kernels import fused_ops, prompt_flash
 from tokenmill.model.kv_cache_format import KVCacheFormat
 
 pytestmark = pytest.mark.skipif(not prompt_flash.available(), reason="no AMX tiles here for the kernel")
@@ -122,6 +122,9 @@ def test_reads_the_context_from_shuffled_cache_pages(fmt, unrotate):
     q = torch.randn(40, 6, hd, generator=g).bfloat16()
     got = prompt_flash.attend(q, k_cache, v_cache, pages, kv_len, page, 0.125, unrotate=unrotate)
     torch.testing.assert_close(got.double(), reference(q, keys.bfloat16(), values.bfloat16(), 0.125), **BOUND)
+    if fmt == "int8" and fused_ops.available():  # the rows decoded as int8_rows_values decodes them, to the bit
+        rows_k, rows_v = (fused_ops.int8_rows_values(c[:, slots], unrotate) for c in (k_cache, v_cache))
+        assert torch.equal(got, prompt_flash.attend_rows(q, rows_k, rows_v, 0.125))
     # into a given output, the same numbers
     out = torch.empty(40, 6, hd)
     assert prompt_flash.attend(q, k_cache, v_cache, pages, kv_len, page, 0.125, unrotate=unrotate, out=out) is out

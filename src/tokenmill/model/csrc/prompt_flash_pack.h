@@ -13,8 +13,7 @@
 #include <cstring>
 
 #include "amx_tiles.h"
-#include "kv_cache_format.h"
-#include "kv_rotation.h"
+#include "fused_ops.h"
 
 namespace tm_flash {
 
@@ -47,22 +46,13 @@ struct Problem {
 #if TM_AMX_COMPILES
 
 // Row t of KV head g as D bf16 values: the cache row itself, or its int8 codes x scale (rotated back
-// with `unrotate`) rounded into tmp, x scratch of D floats.
+// with `unrotate`) rounded into tmp by fused_ops.h's int8_row_values, x scratch of D floats.
 TA_TARGET TA_INLINE const uint16_t* row_values(const PagedRows& rows, int64_t g, int64_t t, int64_t D, uint16_t* tmp,
                                                float* x) {
   const uint8_t* row = rows.base + g * rows.head_stride +
                        (rows.pages[t / rows.page_size] * rows.page_size + t % rows.page_size) * rows.slot_stride;
   if (!rows.int8) return reinterpret_cast<const uint16_t*>(row);
-  float scale;
-  std::memcpy(&scale, row, sizeof(scale));
-  const int8_t* codes = reinterpret_cast<const int8_t*>(row + tm_kv::kInt8ScaleBytes);
-  for (int64_t i = 0; i < D; i += 16) {
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
-    _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), _mm512_set1_ps(scale)));
-  }
-  if (rows.unrotate) tm_kv::hadamard(x, D);
-  for (int64_t i = 0; i < D; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  tm_fused::int8_row_values(true, reinterpret_cast<const int8_t*>(row), D, rows.unrotate, x, tmp);  // AVX-512: AMX has it
   return tmp;
 }
 
