@@ -126,7 +126,7 @@ struct Avx2Kit {
     tm_avx2::round_span<kTerms>(x, g0, g1, m, a);
   }
 
-  TA_TARGET static float dot(const float* a, const float* b, int64_t n) {
+  T2_TARGET static float dot(const float* a, const float* b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);

@@ -72,7 +72,7 @@ at::Tensor linear_parts(const at::Tensor& x_in, at::TensorList weights, at::IntA
 }
 
 template <class D>
-TA_TARGET void dequantize_blocks(const Weights& w, int64_t K, int64_t nb0, int64_t nb1, float* out) {
+T2_TARGET void dequantize_blocks(const Weights& w, int64_t K, int64_t nb0, int64_t nb1, float* out) {
   for (int64_t nb = nb0; nb < nb1; ++nb)
     for (int half = 0; half < 2; ++half)
       for (int64_t g = 0; g < w.G; ++g)
@@ -104,7 +104,7 @@ void dequantize_into(at::Tensor out, const at::Tensor& codes, const at::Tensor& 
 }
 
 template <class D>
-TA_TARGET void lookup_rows(const Weights& w, int64_t K, const int64_t* ids, int64_t t0, int64_t t1, float* out) {
+T2_TARGET void lookup_rows(const Weights& w, int64_t K, const int64_t* ids, int64_t t0, int64_t t1, float* out) {
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t nb = ids[t] / kCols, c = ids[t] % kCols;
     for (int64_t g = 0; g < w.G; ++g)

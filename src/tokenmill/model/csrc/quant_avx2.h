@@ -40,8 +40,8 @@ using tm_vnni::kGroup;
 using tm_vnni::kMergedSums;
 using tm_vnni::Weights;
 
-#define TA_TARGET __attribute__((target("avx2,fma,f16c")))
-#define TA_INLINE inline __attribute__((always_inline))
+#define T2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define T2_INLINE inline __attribute__((always_inline))
 
 constexpr int kHalf = 8;  // columns of a half block
 
@@ -63,20 +63,20 @@ bool avx2_supported() {
 // half's 8 columns, byte 4 c + e = column c, input 4 J + e (quant_blocks.h pair_codes, per 32 bytes).
 
 template <int S>
-TA_TARGET TA_INLINE __m256i shift(__m256i v) {  // left by S, right by -S (16-bit lanes)
+T2_TARGET T2_INLINE __m256i shift(__m256i v) {  // left by S, right by -S (16-bit lanes)
   if constexpr (S > 0) return _mm256_slli_epi16(v, S);
   else if constexpr (S < 0) return _mm256_srli_epi16(v, -S);
   else return v;
 }
 
-TA_TARGET TA_INLINE __m256i or_masked(__m256i a, __m256i b, __m256i mask) {
+T2_TARGET T2_INLINE __m256i or_masked(__m256i a, __m256i b, __m256i mask) {
   return _mm256_or_si256(a, _mm256_and_si256(b, mask));
 }
 
-TA_TARGET TA_INLINE __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+T2_TARGET T2_INLINE __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 template <int Bits, int J>
-TA_TARGET TA_INLINE void pair_codes(const uint8_t* p, __m256i& lo, __m256i& hi) {
+T2_TARGET T2_INLINE void pair_codes(const uint8_t* p, __m256i& lo, __m256i& hi) {
   if constexpr (Bits == 8) {
     lo = load32(p + J * 64);
     hi = load32(p + (J + 4) * 64);
@@ -111,7 +111,7 @@ TA_TARGET TA_INLINE void pair_codes(const uint8_t* p, __m256i& lo, __m256i& hi) 
 
 // The decoder's codebook (quant_blocks.h, + 128) in both 128-bit lanes, for vpshufb.
 template <class D>
-TA_TARGET TA_INLINE __m256i codebook() {
+T2_TARGET T2_INLINE __m256i codebook() {
   if constexpr (D::kFmt == tm_vnni::kMXFP4)
     return _mm256_setr_epi8(-128, -127, -126, -125, -124, -122, -120, -116, -128, 127, 126, 125, 124, 122, 120, 116,
                             -128, -127, -126, -125, -124, -122, -120, -116, -128, 127, 126, 125, 124, 122, 120, 116);
@@ -122,7 +122,7 @@ TA_TARGET TA_INLINE __m256i codebook() {
 
 // The 8 quads of a group's half block, quad j in q[j] (codes + kOffset, unsigned).
 template <class D>
-TA_TARGET TA_INLINE void group_codes(const uint8_t* p, __m256i (&q)[8]) {
+T2_TARGET T2_INLINE void group_codes(const uint8_t* p, __m256i (&q)[8]) {
   pair_codes<D::kBits, 0>(p, q[0], q[4]);
   pair_codes<D::kBits, 1>(p, q[1], q[5]);
   pair_codes<D::kBits, 2>(p, q[2], q[6]);
@@ -136,16 +136,16 @@ TA_TARGET TA_INLINE void group_codes(const uint8_t* p, __m256i (&q)[8]) {
 // ---------------------------------------------------------------------------------------------
 // Scales and mins of a half block's 8 columns, per sub-block (the decoders' records, quant_blocks.h).
 
-TA_TARGET TA_INLINE __m256 load_half8(const uint16_t* p) {
+T2_TARGET T2_INLINE __m256 load_half8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-TA_TARGET TA_INLINE __m256i load_u8x8(const uint8_t* p) {
+T2_TARGET T2_INLINE __m256i load_u8x8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
-TA_TARGET TA_INLINE __m256 neg(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.f)); }
+T2_TARGET T2_INLINE __m256 neg(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.f)); }
 
 template <class D>
-TA_TARGET TA_INLINE void scales(const Weights& w, int64_t nb, int64_t g, int half, __m256 (&sc)[D::kSubs]) {
+T2_TARGET T2_INLINE void scales(const Weights& w, int64_t nb, int64_t g, int half, __m256 (&sc)[D::kSubs]) {
   using tm_vnni::Sub;
   if constexpr (D::kFmt == tm_vnni::kMXFP4) {  // 2^(e - 128) in the exponent field, e = 0 / 1 subnormal
     const __m256i e = load_u8x8(w.subs + (nb * w.G + g) * kCols + kHalf * half);
@@ -170,7 +170,7 @@ TA_TARGET TA_INLINE void scales(const Weights& w, int64_t nb, int64_t g, int hal
 }
 
 template <class D>
-TA_TARGET TA_INLINE void mins(const Weights& w, int64_t nb, int64_t g, int half, __m256 (&mn)[D::kSubs]) {
+T2_TARGET T2_INLINE void mins(const Weights& w, int64_t nb, int64_t g, int half, __m256 (&mn)[D::kSubs]) {
   using tm_vnni::Sub;
   if constexpr (D::kFmt == tm_vnni::kMXFP4) {
     mn[0] = _mm256_setzero_ps();
@@ -196,14 +196,14 @@ TA_TARGET TA_INLINE void mins(const Weights& w, int64_t nb, int64_t g, int half,
 // (64 bytes a group and row), and dx[Terms - 1] is the merged value's unit. The second term is
 // clamped to [-127, 127] as the first is (quant_acts.h lets it reach -128): |256 q1 + q2| <= 32639.
 
-TA_TARGET TA_INLINE float hmax(__m256 v) {
+T2_TARGET T2_INLINE float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
   return _mm_cvtss_f32(m);
 }
 
-TA_TARGET TA_INLINE int32_t hsum(__m256i v) {
+T2_TARGET T2_INLINE int32_t hsum(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
@@ -213,7 +213,7 @@ TA_TARGET TA_INLINE int32_t hsum(__m256i v) {
 constexpr int kLayoutTerms = 2;  // the Acts layout the AVX2 ops allocate, whatever the terms
 
 template <int Terms>
-TA_TARGET void round_group(const float* src, const tm_vnni::GroupOut& o) {
+T2_TARGET void round_group(const float* src, const tm_vnni::GroupOut& o) {
   __m256 v[4];
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 m = _mm256_setzero_ps();
@@ -259,7 +259,7 @@ TA_TARGET void round_group(const float* src, const tm_vnni::GroupOut& o) {
 
 // Groups [g0, g1) of row m rounded into a (x: the row's values from group g0 on).
 template <int Terms>
-TA_TARGET void round_span(const float* x, int64_t g0, int64_t g1, int64_t m, const tm_vnni::Acts& a) {
+T2_TARGET void round_span(const float* x, int64_t g0, int64_t g1, int64_t m, const tm_vnni::Acts& a) {
   const int64_t M = a.M;
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t at = g * M + m;
@@ -270,7 +270,7 @@ TA_TARGET void round_span(const float* x, int64_t g0, int64_t g1, int64_t m, con
 }
 
 template <int Terms>
-TA_TARGET void round_rows(const float* x, int64_t K, int64_t m0, int64_t m1, const tm_vnni::Acts& a) {
+T2_TARGET void round_rows(const float* x, int64_t K, int64_t m0, int64_t m1, const tm_vnni::Acts& a) {
   for (int64_t m = m0; m < m1; ++m) round_span<Terms>(x + m * K, 0, K / kGroup, m, a);
 }
 
@@ -283,7 +283,7 @@ TA_TARGET void round_rows(const float* x, int64_t K, int64_t m0, int64_t m1, con
 // codes <= 255: 32 inputs < 2^28), so offsets start it at -offset * msum as there, and the codes
 // stored + 128 (Q8_0, the codebooks) need no sign trick.
 
-TA_TARGET TA_INLINE __m256i bcast8(const int16_t* p) {
+T2_TARGET T2_INLINE __m256i bcast8(const int16_t* p) {
   int64_t v;
   std::memcpy(&v, p, 8);
   return _mm256_set1_epi64x(v);
@@ -291,7 +291,7 @@ TA_TARGET TA_INLINE __m256i bcast8(const int16_t* p) {
 
 // R rows (m0..) x the 8 columns of each of H halves (H = 2: both, from half 0; H = 1: half `half0`).
 template <class D, int R, int H, int Terms>
-TA_TARGET void tile(const Weights& w, const tm_vnni::Acts& a, int64_t N, int64_t m0, int64_t nb, int half0, float* y) {
+T2_TARGET void tile(const Weights& w, const tm_vnni::Acts& a, int64_t N, int64_t m0, int64_t nb, int half0, float* y) {
   constexpr int64_t kBytes = D::kBits * 64;
   constexpr int kSubs = D::kSubs, kQuads = 8 / kSubs;
   const int64_t G = w.G, M = a.M;
@@ -373,7 +373,7 @@ constexpr int kMaxRows = 4;
 // Blocks nb0..nb1 x rows m0..m1: 1-2 rows (decode) take both halves of a block at once, more rows
 // one half at a time in tiles of at most kMaxRows rows, as even as possible.
 template <class D, int Terms>
-TA_TARGET void blocks_of(const Weights& w, const tm_vnni::Acts& a, int64_t m0, int64_t m1, int64_t N, int64_t nb0,
+T2_TARGET void blocks_of(const Weights& w, const tm_vnni::Acts& a, int64_t m0, int64_t m1, int64_t N, int64_t nb0,
                          int64_t nb1, float* y) {
   if (m1 - m0 <= 2) {
     for (int64_t nb = nb0; nb < nb1; ++nb) {
@@ -401,7 +401,7 @@ TA_TARGET void blocks_of(const Weights& w, const tm_vnni::Acts& a, int64_t m0, i
 
 // Blocks nb0..nb1 x rows m0..m1 of a weight of any format.
 template <int Terms>
-TA_TARGET void blocks(const Weights& w, const tm_vnni::Acts& a, int64_t m0, int64_t m1, int64_t N, int64_t nb0,
+T2_TARGET void blocks(const Weights& w, const tm_vnni::Acts& a, int64_t m0, int64_t m1, int64_t N, int64_t nb0,
                       int64_t nb1, float* y) {
   tm_vnni::with_decoder(w.fmt, [&]<class D>() { tm_avx2::blocks_of<D, Terms>(w, a, m0, m1, N, nb0, nb1, y); });
 }
@@ -411,7 +411,7 @@ TA_TARGET void blocks(const Weights& w, const tm_vnni::Acts& a, int64_t m0, int6
 // sink(j, part, v): quad j's columns 2 part, 2 part + 1 of the half (lane 4 c + e: column 2 part + c,
 // input 4 j + e of the group).
 template <class D, class Sink>
-TA_TARGET TA_INLINE void decode_half(const Weights& w, int64_t nb, int64_t g, int half, Sink&& sink) {
+T2_TARGET T2_INLINE void decode_half(const Weights& w, int64_t nb, int64_t g, int half, Sink&& sink) {
   __m256i q[8];
   group_codes<D>(w.codes + (nb * w.G + g) * D::kBits * 64 + 32 * half, q);
   __m256 sc[D::kSubs], mn[D::kSubs];
@@ -437,7 +437,7 @@ TA_TARGET TA_INLINE void decode_half(const Weights& w, int64_t nb, int64_t g, in
 struct MatrixSink {
   float* o;
   int64_t K;
-  TA_TARGET TA_INLINE void operator()(int j, int part, __m256 v) const {
+  T2_TARGET T2_INLINE void operator()(int j, int part, __m256 v) const {
     _mm_storeu_ps(o + (2 * part) * K + 4 * j, _mm256_castps256_ps128(v));
     _mm_storeu_ps(o + (2 * part + 1) * K + 4 * j, _mm256_extractf128_ps(v, 1));
   }
@@ -447,7 +447,7 @@ struct MatrixSink {
 struct ColumnSink {
   float* o;
   int c;
-  TA_TARGET TA_INLINE void operator()(int j, int part, __m256 v) const {
+  T2_TARGET T2_INLINE void operator()(int j, int part, __m256 v) const {
     if (c / 2 != part) return;
     _mm_storeu_ps(o + 4 * j, c % 2 == 0 ? _mm256_castps256_ps128(v) : _mm256_extractf128_ps(v, 1));
   }
