@@ -129,3 +129,47 @@ def test_reads_the_context_from_shuffled_cache_pages(fmt, unrotate):
     out = torch.empty(40, 6, hd)
     assert prompt_flash.attend(q, k_cache, v_cache, pages, kv_len, page, 0.125, unrotate=unrotate, out=out) is out
     assert torch.equal(out, got)
+
+
+def test_bf16_pages_read_in_place_ignore_what_lies_past_the_context():
+    """bf16 keys are read as tiles straight from whole-tile pages: the last page's slots past the
+    context (a freed page's stale rows, or NaN) change nothing."""
+    q, k, v = inputs(20, 150, 6, 2, 64, seed=5)
+    page, pool = 16, 10 * 16
+    k_cache, v_cache = torch.zeros(2, pool, 64, dtype=torch.bfloat16), torch.zeros(2, pool, 64, dtype=torch.bfloat16)
+    k_cache[:, :150], v_cache[:, :150] = k, v
+    pages = torch.arange(10)
+    clean = prompt_flash.attend(q, k_cache, v_cache, pages, 150, page, 0.125)
+    k_cache[:, 150:], v_cache[:, 150:] = float("nan"), float("nan")
+    assert torch.equal(prompt_flash.attend(q, k_cache, v_cache, pages, 150, page, 0.125), clean)
+    torch.testing.assert_close(clean.double(), reference(q, k, v, 0.125), **BOUND)
+
+
+@pytest.mark.parametrize("q_len, kv_len, page, fmt", [
+    (64, 1008, 16, "bf16"),  # a decode step's rows over a shared prefix, keys in place
+    (50, 40, 8, "bf16"),  # more queries than keys; pages of half a tile: the keys packed
+    (7, 300, 16, "int8"),  # one part-filled query block; int8 rows in H's basis as stored
+])
+def test_not_causal_every_query_sees_every_key_and_its_softmax_stats(q_len, kv_len, page, fmt):
+    """Cascade attention's shared prefix (csrc/cascade_attention.h): every query attends all kv_len keys,
+    and `stats` gets its softmax max (of the scaled scores) and sum, whose log-sum-exp merges the
+    prefix's part with the rest of a row's keys."""
+    heads, kvh, hd, scale = 9, 3, 64, 0.125
+    g = torch.Generator().manual_seed(kv_len)
+    pool = -(-kv_len // page) * page
+    cache = KVCacheFormat.named(fmt)
+    k_cache, v_cache = (cache.encode(torch.randn(kvh, pool, hd, generator=g)) for _ in range(2))
+    keys, values = (cache.stored_values(c[:, :kv_len], dtype=torch.float32).bfloat16() for c in (k_cache, v_cache))
+    q = torch.randn(q_len, heads, hd, generator=g).bfloat16()
+    stats = torch.empty(q_len, heads, 2)
+    got = prompt_flash.attend(q, k_cache, v_cache, torch.arange(pool // page), kv_len, page, scale, causal=False,
+                              stats=stats)
+    scores = torch.einsum("qhd,htd->hqt", q.double(), keys.double().repeat_interleave(3, 0)) * scale
+    want = torch.einsum("hqt,htd->qhd", torch.softmax(scores, -1), values.double().repeat_interleave(3, 0))
+    torch.testing.assert_close(got.double(), want, **BOUND)
+    lse = (stats[..., 0].double() + stats[..., 1].double().log())
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1).T, atol=2e-2, rtol=0)
+    torch.testing.assert_close(stats[..., 0].double(), scores.amax(-1).T, atol=2e-2, rtol=0)
+    with pytest.raises(RuntimeError, match=r"stats must be a contiguous float32 \[Q, H, 2\]"):
+        prompt_flash.attend(q, k_cache, v_cache, torch.arange(pool // page), kv_len, page, scale, causal=False,
+                            stats=torch.empty(q_len, heads, 3))

@@ -29,11 +29,13 @@ tm_flash::PagedRows paged_rows(const at::Tensor& cache, const at::Tensor& pages,
 }
 
 // q [Q, H, D] at the last Q positions of kv_len keys whose K / V rows lie in the caches [KVH, slots,
-// row] at `pages` (page_size slots each): query i sees keys 0 .. kv_len - Q + i. `out`, if given, is
-// written instead of a new tensor.
+// row] at `pages` (page_size slots each): query i sees keys 0 .. kv_len - Q + i, or every key where
+// not `causal`. `out`, if given, is written instead of a new tensor; `stats` ([Q, H, 2] float32), if
+// given, gets each query's softmax max (of the scaled scores) and sum.
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& pages_in, int64_t kv_len, int64_t page_size, double scale, bool bf16_out,
-                            bool unrotate, const std::optional<at::Tensor>& out_in) {
+                            bool unrotate, const std::optional<at::Tensor>& out_in, bool causal,
+                            const std::optional<at::Tensor>& stats) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1,
               "q must be a bfloat16 [Q, H, D] tensor with contiguous rows");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
@@ -47,7 +49,11 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
               "head_dim of q and the caches' rows differ");
   TORCH_CHECK(!unrotate || (int8 && tm_kv::rotates(D)), "unrotate is for int8 rows of a head dim that rotates");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "the query heads must be a multiple of the KV heads");
-  TORCH_CHECK(Q <= kv_len, "more queries than keys: the queries are the context's last positions");
+  TORCH_CHECK(!causal || Q <= kv_len, "more queries than keys: the queries are the context's last positions");
+  TORCH_CHECK(kv_len > 0 || Q == 0, "queries need at least one key");
+  TORCH_CHECK(!stats.has_value() || (stats->dim() == 3 && stats->size(0) == Q && stats->size(1) == H &&
+                                     stats->size(2) == 2 && stats->scalar_type() == at::kFloat && stats->is_contiguous()),
+              "stats must be a contiguous float32 [Q, H, 2] tensor");
   TORCH_CHECK(page_size > 0 && scale > 0, "page_size and scale must be positive");
   const at::Tensor pages = pages_in.to(at::kLong).contiguous();
   TORCH_CHECK(pages.dim() == 1, "pages must be 1-d");
@@ -60,6 +66,8 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                        paged_rows(k_cache, pages, kv_len, page_size, unrotate),
                        paged_rows(v_cache, pages, kv_len, page_size, unrotate), out.data_ptr(), bf16_out, Q, kv_len, H,
                        KVH, D, static_cast<float>(scale)};
+  pr.causal = causal;
+  if (stats.has_value()) pr.stats = stats->data_ptr<float>();
 #if TM_AMX_COMPILES
   tm_flash::attend(pr);
 #endif
@@ -73,7 +81,7 @@ bool available() { return tm_amx::amx_ready(); }
 TORCH_LIBRARY(tokenmill_flash, m) {
   m.def(
       "prompt_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor pages, int kv_len, int page_size, float scale, "
-      "bool bf16_out=False, bool unrotate=False, Tensor(a!)? out=None) -> Tensor",
+      "bool bf16_out=False, bool unrotate=False, Tensor(a!)? out=None, bool causal=True, Tensor(b!)? stats=None) -> Tensor",
       &prompt_attention);
   m.def("available() -> bool", &available);
 }

@@ -15,10 +15,12 @@
 //  - outputs transposed, O^T = V^T P^T: the weights leave the softmax already as B rows (key pairs
 //    interleaved), V^T's tiles stream once for all heads; the running outputs are rescaled as the
 //    max grows (flash attention's update), and transposed back once at the end.
-// Layouts: K as A tiles of 16 keys x 32 dims; V^T as A tiles of 16 dims x 32 keys; both packed per
-// call from the cache's pages (prompt_flash_pack.h), zero past the context (keys to a multiple of 64, dims to one of 32), so padded scores are
-// finite and masked, and padded weights are zero times zero. Query i of Q sits at position T - Q + i
-// and sees keys 0 .. T - Q + i; an item computes only the chunks some query of it sees.
+// Layouts: K as A tiles of 16 keys x 32 dims, read in place from bf16 pages or packed; V^T as A tiles
+// of 16 dims x 32 keys, packed per call from the cache's pages (prompt_flash_pack.h). Keys run to a
+// multiple of 64: past the context a score is masked (never in a max, its weight zero, whatever the
+// slot held), and the packed values there are zero, so padded weights are zero times zero. Query i
+// of Q sits at position T - Q + i and sees keys 0 .. T - Q + i (every key where not causal); an item
+// computes only the chunks some query of it sees.
 
 #include <ATen/Parallel.h>
 
@@ -63,9 +65,9 @@ constexpr int64_t kHeads = 4;
 // The tile ops below name their registers as literal numbers (GCC's tile intrinsics paste them into
 // their asm): sums of head r in tile r (0-3), the streamed K / V^T tile (`a`) in A = 4 or 6, head r's
 // B tile (`b` + r x `stride`) in 5 or 7, alternating so that a load need not wait for the product
-// reading the last one.
-#define TM_FLASH_PRODUCTS(R, A, a, b, stride)                                        \
-  _tile_loadd(A, a, 64);                                                            \
+// reading the last one. The A tile's rows lie `astride` bytes apart.
+#define TM_FLASH_PRODUCTS(R, A, a, astride, b, stride)                               \
+  _tile_loadd(A, a, astride);                                                       \
   _tile_loadd(5, b, 64);                                                            \
   _tile_dpbf16ps(0, A, 5);                                                          \
   if constexpr (R > 1) {                                                            \
@@ -93,20 +95,21 @@ constexpr int64_t kHeads = 4;
   if constexpr (R > 2) _tile_stored(2, (at) + 2 * (stride), 64);      \
   if constexpr (R > 3) _tile_stored(3, (at) + 3 * (stride), 64);
 
-// Transposed scores S^T = K Q^T of R heads for the chunk's n keys (K tiles from `keys`): the
-// queries' B tiles qb ([kHeads][D32 / 32][16 pairs x 16 queries x 2]); into st ([kHeads][kChunk
-// keys, 16 queries] fp32).
+// Transposed scores S^T = K Q^T of R heads for the chunk's n keys (its key tiles from `keys` as
+// `kl` lays them out, see key_tiles): the queries' B tiles qb ([kHeads][D32 / 32][16 pairs x 16
+// queries x 2]); into st ([kHeads][kChunk keys, 16 queries] fp32).
 template <int R>
-TA_TARGET inline void chunk_scores(const uint16_t* qb, int64_t J, const uint16_t* keys, int64_t n, float* st) {
+TA_TARGET inline void chunk_scores(const uint16_t* qb, int64_t J, const uint16_t* const* keys, KeyLayout kl, int64_t n,
+                                   float* st) {
   for (int64_t kt = 0; kt < n / 16; ++kt) {
     TM_FLASH_ZERO(R)
     for (int64_t j = 0; j < J; ++j) {
-      const uint16_t* a = keys + (kt * J + j) * kTileElems;
+      const uint16_t* a = keys[kt] + j * kl.step;
       const uint16_t* b = qb + j * kTileElems;
       if (j % 2 == 0) {
-        TM_FLASH_PRODUCTS(R, 4, a, b, J * kTileElems)
+        TM_FLASH_PRODUCTS(R, 4, a, kl.stride, b, J * kTileElems)
       } else {
-        TM_FLASH_PRODUCTS(R, 6, a, b, J * kTileElems)
+        TM_FLASH_PRODUCTS(R, 6, a, kl.stride, b, J * kTileElems)
       }
     }
     TM_FLASH_STORE(R, st + kt * 256, kChunk * 16)
@@ -123,9 +126,9 @@ TA_TARGET inline void chunk_outputs(const uint16_t* pt, int64_t n, const uint16_
     const uint16_t* a = values + (kb * C + c) * kTileElems;
     const uint16_t* b = pt + kb * kTileElems;
     if (kb % 2 == 0) {
-      TM_FLASH_PRODUCTS(R, 4, a, b, kChunk * 16)
+      TM_FLASH_PRODUCTS(R, 4, a, 64, b, kChunk * 16)
     } else {
-      TM_FLASH_PRODUCTS(R, 6, a, b, kChunk * 16)
+      TM_FLASH_PRODUCTS(R, 6, a, 64, b, kChunk * 16)
     }
   }
   TM_FLASH_STORE(R, o, 256)
@@ -201,13 +204,15 @@ struct Scratch {
   __m512 rescale[kHeads];
 };
 
-// Query block qb of R heads h0 .. h0 + R - 1 (of one KV head): chunk by chunk, scores, weights and
-// outputs; divided by the sums into out at the end.
+// Query block qb of R heads h0 .. h0 + R - 1 (of one KV head; its key tiles `keys`, see key_tiles):
+// chunk by chunk, scores, weights and outputs; divided by the sums into out at the end.
 template <int R>
-TA_TARGET inline void query_block(const Problem& pr, int64_t h0, int64_t qb, const uint16_t* keys, const uint16_t* values,
-                                  int64_t D32, Scratch& w) {
+TA_TARGET inline void query_block(const Problem& pr, int64_t h0, int64_t qb, const uint16_t* const* keys, KeyLayout kl,
+                                  const uint16_t* values, int64_t D32, Scratch& w) {
   const int64_t q0 = qb * kRows, rows = std::min(kRows, pr.Q - q0), offset = pr.T - pr.Q;
-  const int64_t cols = round_up(offset + q0 + rows, 64), C = pr.D / 16, J = D32 / 32, D = pr.D;
+  // The last key lane 0 sees, and the last any lane sees: the causal diagonal, or every key.
+  const int64_t first_last = pr.causal ? offset + q0 : pr.T - 1, last_seen = pr.causal ? offset + q0 + rows - 1 : pr.T - 1;
+  const int64_t cols = round_up(last_seen + 1, 64), C = pr.D / 16, J = D32 / 32, D = pr.D;
   // The queries as B tiles: word (p, n) of tile j = dims 32 j + 2 p, + 1 of query n, the transpose
   // of the 16 queries' words.
   for (int64_t r = 0; r < R; ++r) {
@@ -222,17 +227,18 @@ TA_TARGET inline void query_block(const Problem& pr, int64_t h0, int64_t qb, con
       for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(w.qb.data() + (r * J + j) * kTileElems + 32 * p, t[p]);
     }
   }
-  // Lane i sees keys up to offset + q0 + i; the padding lanes (zero queries) as the last row.
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i last = _mm512_min_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(offset + q0))),
-                                        _mm512_set1_epi32(static_cast<int32_t>(offset + q0 + rows - 1)));
+  // Lane i sees keys up to offset + q0 + i (causal) or all; the padding lanes (zero queries) as the last row.
+  const __m512i lane = pr.causal ? _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                                 : _mm512_setzero_si512();
+  const __m512i last = _mm512_min_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(first_last))),
+                                        _mm512_set1_epi32(static_cast<int32_t>(last_seen)));
   std::fill(w.acc.begin(), w.acc.end(), 0.0f);
   for (int64_t r = 0; r < R; ++r) w.state[r] = {_mm512_set1_ps(-1e30f), _mm512_setzero_ps()};  // finite: no inf - inf
   for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
     const int64_t n = std::min(kChunk, cols - c0);
-    chunk_scores<R>(w.qb.data(), J, keys + c0 / 16 * J * kTileElems, n, w.st);
+    chunk_scores<R>(w.qb.data(), J, keys + c0 / 16, kl, n, w.st);
     for (int64_t r = 0; r < R; ++r)
-      w.rescale[r] = chunk_weights(w.st + r * kChunk * 16, n, c0, last, offset + q0, pr.scale, w.pt + r * kChunk * 16, w.state[r]);
+      w.rescale[r] = chunk_weights(w.st + r * kChunk * 16, n, c0, last, first_last, pr.scale, w.pt + r * kChunk * 16, w.state[r]);
     for (int64_t c = 0; c < C; ++c) {
       chunk_outputs<R>(w.pt, n, values + c0 / 32 * C * kTileElems, C, c, w.o);
       for (int64_t r = 0; r < R; ++r) {
@@ -246,6 +252,15 @@ TA_TARGET inline void query_block(const Problem& pr, int64_t h0, int64_t qb, con
   for (int64_t r = 0; r < R; ++r) {
     alignas(64) float inv[16];
     _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), w.state[r].l));
+    if (pr.stats != nullptr) {
+      alignas(64) float m[16], l[16];
+      _mm512_store_ps(m, _mm512_mul_ps(w.state[r].m, _mm512_set1_ps(pr.scale)));
+      _mm512_store_ps(l, w.state[r].l);
+      for (int64_t i = 0; i < rows; ++i) {
+        float* at = pr.stats + ((q0 + i) * pr.H + h0 + r) * 2;
+        at[0] = m[i], at[1] = l[i];
+      }
+    }
     for (int64_t c = 0; c < C; ++c) {
       __m512i t[16];
       for (int64_t d = 0; d < 16; ++d) t[d] = _mm512_loadu_si512(w.acc.data() + (r * D + 16 * c + d) * 16);
@@ -261,45 +276,52 @@ TA_TARGET inline void query_block(const Problem& pr, int64_t h0, int64_t qb, con
   }
 }
 
+// A thread's scratch for run_items, for head dim D (D32 = D rounded up to 32).
+inline std::unique_ptr<Scratch> make_scratch(int64_t D, int64_t D32) {
+  auto w = std::make_unique<Scratch>();
+  w->qb.assign(kHeads * D32 * 16, 0);
+  w->acc.resize(kHeads * D * 16);
+  return w;
+}
+
 // Items of (KV head, group of up to kHeads of its query heads, query block), taken one at a time from
 // `next` until none is left, on the calling thread (its tiles configured here). A KV head's items go
 // out together (its K / V tiles stay in cache; taking the heads in turn cost a 1,000-token chunk after
 // its prefix 3.4 -> 4.1 ms), later query blocks first: they see more keys. Split in two static halves,
 // a fresh 2,048-token prompt's thread with the later blocks of the middle KV head did ~1.4x the other's
-// work (8.5 / 6.5 ms torch / ours -> 8.8 / 5.2).
-TA_TARGET inline void run_items(const Problem& pr, std::atomic<int64_t>& next, const uint16_t* keys, const uint16_t* values,
-                                int64_t Tp, int64_t D32) {
+// work (8.5 / 6.5 ms torch / ours -> 8.8 / 5.2). `keys`: every KV head's key tiles ([KVH][Tp / 16],
+// key_tiles), `values` their packed V^T tiles.
+TA_TARGET inline void run_items(const Problem& pr, std::atomic<int64_t>& next, const uint16_t* const* keys, KeyLayout kl,
+                                const uint16_t* values, int64_t Tp, int64_t D32, Scratch& w) {
   configure();
-  auto w = std::make_unique<Scratch>();
-  w->qb.assign(kHeads * D32 * 16, 0);
-  w->acc.resize(kHeads * pr.D * 16);
   const int64_t blocks = (pr.Q + kRows - 1) / kRows, group = pr.H / pr.KVH, parts = (group + kHeads - 1) / kHeads;
   for (int64_t item = next++; item < pr.KVH * parts * blocks; item = next++) {
     const int64_t qb = blocks - 1 - item % blocks, part = item / blocks % parts, g = item / blocks / parts;
     const int64_t h0 = g * group + part * kHeads, R = std::min(kHeads, group - part * kHeads);
-    const uint16_t* k = keys + g * Tp * D32;
+    const uint16_t* const* k = keys + g * (Tp / 16);
     const uint16_t* v = values + g * Tp * pr.D;
-    if (R == 4) query_block<4>(pr, h0, qb, k, v, D32, *w);
-    else if (R == 3) query_block<3>(pr, h0, qb, k, v, D32, *w);
-    else if (R == 2) query_block<2>(pr, h0, qb, k, v, D32, *w);
-    else query_block<1>(pr, h0, qb, k, v, D32, *w);
+    if (R == 4) query_block<4>(pr, h0, qb, k, kl, v, D32, w);
+    else if (R == 3) query_block<3>(pr, h0, qb, k, kl, v, D32, w);
+    else if (R == 2) query_block<2>(pr, h0, qb, k, kl, v, D32, w);
+    else query_block<1>(pr, h0, qb, k, kl, v, D32, w);
   }
   _tile_release();
 }
 
-// The whole call: pack every KV head's keys and values, then every item, on every thread.
+// The whole call: every KV head's key tiles and packed values, then every item, on every thread.
 inline void attend(const Problem& pr) {
   const int64_t Tp = round_up(pr.T, 64), D32 = round_up(pr.D, 32);
-  std::vector<uint16_t> keys(pr.KVH * Tp * D32), values(pr.KVH * Tp * pr.D);
+  std::vector<uint16_t> keys(keys_in_place(pr) ? 0 : pr.KVH * Tp * D32), values(pr.KVH * Tp * pr.D);
+  std::vector<const uint16_t*> tiles(pr.KVH * Tp / 16);
   at::parallel_for(0, pr.KVH * 2, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      if (t % 2 == 0) pack_keys(pr, t / 2, Tp, D32, keys.data() + t / 2 * Tp * D32);
+      if (t % 2 == 0) key_tiles(pr, t / 2, Tp, D32, keys.data() + (keys.empty() ? 0 : t / 2 * Tp * D32), tiles.data() + t / 2 * Tp / 16);
       else pack_values(pr, t / 2, Tp, values.data() + t / 2 * Tp * pr.D);
     }
   });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) run_items(pr, next, keys.data(), values.data(), Tp, D32);
+    for (int64_t t = b; t < e; ++t) run_items(pr, next, tiles.data(), key_layout(pr), values.data(), Tp, D32, *make_scratch(pr.D, D32));
   });
 }
 

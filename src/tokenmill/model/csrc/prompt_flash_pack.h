@@ -33,6 +33,9 @@ struct PagedRows {
 };
 
 // One call: q [Q, H, D] (bf16, rows contiguous) at the last Q positions of T keys, out [Q, H, D].
+// Not `causal` (cascade attention's shared prefix, cascade_attention.h): every query sees all T keys,
+// and `stats` ([Q, H, 2] fp32, if not null) gets each query's softmax max (of the scaled scores) and
+// sum, for merging with the part of its keys another kernel attends.
 struct Problem {
   const uint16_t* q;
   int64_t q_token_stride, q_head_stride;
@@ -41,6 +44,8 @@ struct Problem {
   bool bf16_out;
   int64_t Q, T, H, KVH, D;
   float scale;
+  bool causal = true;
+  float* stats = nullptr;
 };
 
 #if TM_AMX_COMPILES
@@ -93,9 +98,42 @@ TA_TARGET TA_INLINE void transpose16(__m512i r[16]) {
   }
 }
 
-// The keys of KV head g as A tiles: [Tp / 16][D32 / 32] tiles of 16 keys x 32 dims, zero past T, D.
-TA_TARGET inline void pack_keys(const Problem& pr, int64_t g, int64_t Tp, int64_t D32, uint16_t* dst) {
+// Whether the keys' A tiles are read from the cache's rows where they lie: bf16 rows, pages of whole
+// tiles (16 keys), and head dims of whole tiles (32: no dims past a row's end) up to 128. Gemma's
+// 256-dim rows (512 bytes apart) were slower in place: 0.69-0.70 against 0.57-0.66 ms a 512-token
+// prompt packed; at 64 and 128 dims leaving the packing out gained 4-15 %. Else they are packed.
+inline bool keys_in_place(const Problem& pr) {
+  return !pr.k.int8 && pr.k.page_size % 16 == 0 && pr.D % 32 == 0 && pr.D <= 128;
+}
+
+// Where the keys' A tiles of 16 keys x 32 dims lie: tile (kt, j) at tiles[kt] + j x step, its rows
+// `stride` bytes apart. In place: a page's rows (step 32 values, stride a slot); packed: whole tiles
+// one after another (step a tile, stride 64 bytes).
+struct KeyLayout {
+  int64_t step, stride;
+};
+
+inline KeyLayout key_layout(const Problem& pr) {
+  return keys_in_place(pr) ? KeyLayout{32, pr.k.slot_stride} : KeyLayout{kTileElems, 64};
+}
+
+// Rows of zeros for the key tiles past the context read in place (16 slots of up to 128 bf16).
+alignas(64) inline const uint16_t kZeroKeys[16 * 128] = {};
+
+// The keys of KV head g as A tiles: tiles[kt] (kt < Tp / 16) where keys 16 kt .. 16 kt + 15 begin, in
+// place (bf16 pages) or packed into `dst` ([Tp / 16][D32 / 32] tiles, zero past T and D: the int8
+// rows' values, or rows that do not fill whole tiles).
+TA_TARGET inline void key_tiles(const Problem& pr, int64_t g, int64_t Tp, int64_t D32, uint16_t* dst, const uint16_t** tiles) {
   const int64_t J = D32 / 32;
+  if (keys_in_place(pr)) {
+    for (int64_t kt = 0; kt < Tp / 16; ++kt)
+      tiles[kt] = 16 * kt < pr.T ? reinterpret_cast<const uint16_t*>(
+                                       pr.k.base + g * pr.k.head_stride +
+                                       (pr.k.pages[16 * kt / pr.k.page_size] * pr.k.page_size + 16 * kt % pr.k.page_size) *
+                                           pr.k.slot_stride)
+                                 : kZeroKeys;
+    return;
+  }
   alignas(64) uint16_t tmp[256];
   alignas(64) float x[256];
   std::memset(dst, 0, Tp * D32 * 2);
@@ -104,6 +142,7 @@ TA_TARGET inline void pack_keys(const Problem& pr, int64_t g, int64_t Tp, int64_
     for (int64_t j = 0; j * 32 < pr.D; ++j)
       std::memcpy(dst + ((key / 16 * J + j) * 16 + key % 16) * 32, row + 32 * j, std::min<int64_t>(32, pr.D - 32 * j) * 2);
   }
+  for (int64_t kt = 0; kt < Tp / 16; ++kt) tiles[kt] = dst + kt * J * kTileElems;
 }
 
 // The values of KV head g as V^T's A tiles: [Tp / 32][D / 16] tiles, row d of tile (kb, c) = dim

@@ -24,15 +24,17 @@ def available() -> bool:
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, kv_len: int,
            page_size: int, scale: float, bf16_out: bool = False, unrotate: bool = False,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, causal: bool = True, stats: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [Q, H, D] (bfloat16, rows contiguous; H a multiple of the KV heads, D of 16)
     at the last Q of kv_len positions, whose K / V rows lie in the caches [KVH, slots, row] (bf16, or
     int8 rows of a scale and the codes, turned back out of H's basis with `unrotate`) at `pages`,
-    page_size slots each: query i sees keys 0 .. kv_len - Q + i. bf16 products, fp32 scores and
-    softmax, weights rounded to bf16 times bf16 values summed in fp32; [Q, H, D] float32, or rounded
-    once to bfloat16 with bf16_out, written into `out` where it is given."""
+    page_size slots each: query i sees keys 0 .. kv_len - Q + i (every key where not `causal`, as the
+    fused decode step's cascade attends a shared prefix). bf16 products, fp32 scores and softmax,
+    weights rounded to bf16 times bf16 values summed in fp32; [Q, H, D] float32, or rounded once to
+    bfloat16 with bf16_out, written into `out` where it is given. `stats` (float32 [Q, H, 2]), where
+    given, gets each query's softmax max of the scaled scores and its sum of exp(score - max)."""
     return torch.ops.tokenmill_flash.prompt_attention.default(q, k_cache, v_cache, pages, kv_len, page_size, scale,
-                                                              bf16_out, unrotate, out)
+                                                              bf16_out, unrotate, out, causal, stats)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bf16_out: bool = False) -> torch.Tensor:
