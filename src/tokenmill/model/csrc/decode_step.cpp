@@ -22,6 +22,7 @@
 #include "quant_avx2.h"
 #include "quant_vnni.h"
 #include "decode_phases.h"
+#include "cascade_attention.h"
 #include "decode_row_phases.h"
 #include "decode_step_moe.h"
 
@@ -49,6 +50,12 @@ struct Layer {
 struct DecodeStack : tm_step::StackBase {
   std::vector<Layer> layers;
   std::vector<tm_moe::Block> moe_blocks;
+  // Cascade attention (cascade_attention.h) from this many rows sharing this many prefix tokens, and
+  // its buffers (one step at a time runs on a stack).
+  int64_t cascade_min_rows = 16, cascade_min_prefix = 256;
+#if TM_AMX_COMPILES
+  tm_cascade::Work cascade_work;
+#endif
 
   DecodeStack(int64_t kit_id, std::vector<at::Tensor> tensors, std::vector<int64_t> formats, std::vector<int64_t> parts,
               std::vector<at::Tensor> k_caches,
@@ -179,6 +186,7 @@ struct DecodeStack : tm_step::StackBase {
                                                             nkv, hd, isa, nt);
     at::Tensor out = at::empty({T, hidden}, x.options());
     if (T == 0) return out;
+    const tm_cascade::Plan cascade = cascade_plan<Kit>(plan, table, lens, T, page_size);
     for (const Layer& l : layers) TORCH_CHECK(l.gate_up.N > 0 || l.moe >= 0, "a layer has no MLP");
     tm_moe::Scratch moe_scratch;
     if (!moe_blocks.empty()) tm_moe::reserve(moe_scratch, moe_blocks, T, hidden, kTerms);
@@ -189,10 +197,20 @@ struct DecodeStack : tm_step::StackBase {
     const float* cp = cos.data_ptr<float>();
     const float* snp = sin.data_ptr<float>();
     const int64_t row_elems = tm_kv::row_width(cache_format, hd);
-    const tm_attention::Args args =
+    tm_attention::Args args =
         tm_attention::make_args(plan, s.q, s.attn, s.partial, table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                 table.size(1), page_size, nq, nkv, hd, static_cast<float>(scale),
                                 num_slots * row_elems, row_elems);
+#if TM_AMX_COMPILES
+    tm_cascade::Work* cw = nullptr;
+    if (cascade.on()) {
+      cw = &cascade_work;
+      cw->prepare(cascade, T, nq, nkv, hd, static_cast<int64_t>(layers.size()),
+                  cache_format == tm_kv::kCacheInt8 && tm_kv::rotates(hd), nt);
+      args.starts = cascade.starts.data();
+      args.stats = cw->own_stats.data();
+    }
+#endif
     const tm_attention::RangeFn attend = Kit::attention(cache_format);
     const float e = static_cast<float>(eps);
     const int64_t L = static_cast<int64_t>(layers.size());
@@ -217,7 +235,14 @@ struct DecodeStack : tm_step::StackBase {
           tm_attention::Args la = args;
           la.k = l.k_cache;
           la.v = l.v_cache;
-          tm_step::attention_phase<Kit>(*this, s, la, attend, plan, w);
+#if TM_AMX_COMPILES
+          if (cw) {
+            const tm_flash::Problem pr = tm_cascade::problem(cascade, *cw, l.k_cache, l.v_cache, num_slots, page_size,
+                                                             cache_format, nq, nkv, hd, static_cast<float>(scale));
+            tm_cascade::attention_phase<Kit>(*this, s, la, attend, plan, cascade, *cw, pr, cw->next[i], w);
+          } else
+#endif
+            tm_step::attention_phase<Kit>(*this, s, la, attend, plan, w);
           tm_step::linear_phase<Kit>(l.o, s.a_attn, T, s.delta, w);
           Kit::add_rms_norm(xp, s.delta, l.post_norm, hidden, e, s.h, w.r0, w.r1);
           tm_step::quantize_phase<Kit>(s.h, hidden, s.a_hidden, w);
@@ -236,6 +261,27 @@ struct DecodeStack : tm_step::StackBase {
     }
     logs.finish(barrier);
     return out;
+  }
+
+  // Which rows share a prefix to attend once on the tiles (none: the kit has no tiles, the CPU cannot run
+  // them, the cache is fp32, the head dim is not a multiple of 16, or the step is one row).
+  template <class Kit>
+  tm_cascade::Plan cascade_plan(const tm_attention::Plan& plan, const at::Tensor& table, const at::Tensor& lens,
+                                int64_t T, int64_t page_size) const {
+    if (!Kit::kAmxTiles || cache_format == tm_kv::kCacheF32 || hd % 16 != 0 || tm_step::one_row(T, plan) ||
+        !tm_amx::amx_ready())
+      return {};
+    bool single = true;
+    for (int64_t i = 0; i < plan.num_items(); ++i) single = single && plan.items[i * tm_attention::kItemFields + 1] == 1;
+    return tm_cascade::plan(table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), T, table.size(1), page_size, single,
+                            cascade_min_rows, cascade_min_prefix);
+  }
+
+  // From how many rows sharing how many prefix tokens a step attends the prefix once on the tiles
+  // (min_rows <= 0: never).
+  void set_cascade(int64_t min_rows, int64_t min_prefix) {
+    TORCH_CHECK(min_prefix >= 0, "the cascade's prefix must be >= 0 tokens");
+    cascade_min_rows = min_rows, cascade_min_prefix = min_prefix;
   }
 
   // The layers of a one-row step with every thread holding the row (decode_row_phases.h): 5
@@ -299,6 +345,7 @@ TORCH_LIBRARY(tokenmill_step, m) {
                        std::vector<at::Tensor>,
                        at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("set_moe", &DecodeStack::set_moe)
+      .def("set_cascade", &DecodeStack::set_cascade)
       .def("run", &DecodeStack::run);
   with_barrier(llama);
   auto gemma = m.class_<GemmaDecodeStack>("GemmaDecodeStack");

@@ -71,6 +71,12 @@ struct Args {
   // offset of the item's partial results in `partial` (parts > 1 only).
   const int64_t* items;
   float* partial;
+  // Cascade attention (cascade_attention.h), single rows only; null otherwise: row s sees positions
+  // from starts[s] on (a prefix shared with other rows is attended once for all of them on the
+  // tiles), and its softmax's max and sum per query head go to stats[(s * num_heads + h) * 2 ..]
+  // for the merge with the prefix's part.
+  const int64_t* starts;
+  float* stats;
 };
 
 // First position a row of `len` tokens sees: len - window under a sliding window, else 0.
@@ -84,8 +90,8 @@ TM_INLINE void cap_scores(float* __restrict s, int64_t n, float cap) {
 }
 
 // Softmax numerators of the scores s[g, 0..len-1] in place (not normalised), and 1 / their sum in
-// s[group * len + g].
-TM_INLINE void softmax_rows(float* __restrict scores, int64_t group, int64_t len) {
+// s[group * len + g]; the max and the sum in stats[2 g], stats[2 g + 1] if asked.
+TM_INLINE void softmax_rows(float* __restrict scores, int64_t group, int64_t len, float* stats = nullptr) {
   for (int64_t g = 0; g < group; ++g) {
     float* __restrict sg = scores + g * len;
     float m = sg[0];
@@ -99,6 +105,7 @@ TM_INLINE void softmax_rows(float* __restrict scores, int64_t group, int64_t len
       sum += e;
     }
     scores[group * len + g] = 1.0f / sum;
+    if (stats != nullptr) stats[2 * g] = m, stats[2 * g + 1] = sum;
   }
 }
 

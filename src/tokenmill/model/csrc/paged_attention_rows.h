@@ -9,8 +9,9 @@ namespace tm_attention {
 namespace {
 
 // What one item touches: query heads h0 .. h0 + heads - 1 of KV head kvh's group, of row `seq`,
-// over its visible positions lo .. len - 1 (lo > 0 under a sliding window), nv of them, on pages
-// first_page .. num_pages - 1. Scores are indexed by position - lo.
+// over its visible positions lo .. len - 1 (lo > 0 under a sliding window or past a cascade's shared
+// prefix), nv of them, on pages first_page .. num_pages - 1. Scores are indexed by position - lo.
+// `stats`: where its heads' softmax max and sum go (cascade rows), else null.
 template <typename R>
 struct RowItem {
   using E = typename R::Elem;
@@ -21,18 +22,20 @@ struct RowItem {
   const E* vbase;
   const int64_t* pages;
   int64_t first_page, num_pages;
+  float* stats;
 
   TM_INLINE RowItem(const Args& a, int64_t seq, int64_t kvh, int64_t h0)
       : q(a.q + (seq * a.num_heads + kvh * a.group + h0) * a.hd),
         out(a.out + (seq * a.num_heads + kvh * a.group + h0) * a.hd),
         len(a.lens[seq]),
-        lo(first_visible(len, a.window)),
+        lo(std::max(first_visible(len, a.window), a.starts != nullptr ? a.starts[seq] : int64_t{0})),
         nv(len - lo),
         kbase(static_cast<const E*>(a.k) + kvh * a.head_stride),
         vbase(static_cast<const E*>(a.v) + kvh * a.head_stride),
         pages(a.table + seq * a.max_pages),
         first_page(lo / a.page_size),
-        num_pages((len + a.page_size - 1) / a.page_size) {}
+        num_pages((len + a.page_size - 1) / a.page_size),
+        stats(a.stats != nullptr ? a.stats + (seq * a.num_heads + kvh * a.group + h0) * 2 : nullptr) {}
 
   // The first row of page p this item reads (past lo on the window's first page).
   TM_INLINE int64_t first_row(int64_t p, int64_t page_size) const { return std::max<int64_t>(0, lo - p * page_size); }
@@ -67,7 +70,7 @@ TM_INLINE void attend_one_scalar(const Args& a, int64_t seq, int64_t kvh, float*
     }
   }
   if (a.softcap > 0.0f) cap_scores(scores, group * nv, a.softcap);
-  softmax_rows(scores, group, nv);
+  softmax_rows(scores, group, nv, it.stats);
   std::fill(acc, acc + group * hd, 0.0f);
   for (int64_t p = it.first_page; p < it.num_pages; ++p) {
     const int64_t first = p * page_size;
@@ -154,7 +157,7 @@ TM_INLINE void attend_heads(const Args& a, int64_t seq, int64_t kvh, int64_t h0,
   }
 
   if (a.softcap > 0.0f) cap_scores(scores, G * nv, a.softcap);
-  softmax_rows(scores, G, nv);
+  softmax_rows(scores, G, nv, it.stats);
 
   for (int64_t p = p0; p < std::min(p0 + kPrefetchPages, num_pages); ++p) prefetch_page(it.vbase + it.pages[p] * page_elems, page_bytes);
   V acc[G][NC];

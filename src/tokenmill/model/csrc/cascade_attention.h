@@ -1,0 +1,191 @@
+#pragma once
+// Cascade attention for a fused decode step whose rows share a prefix (many streams under one system
+// prompt): the shared pages attended once for all those rows on AMX tiles (prompt_flash_amx.h, every
+// query seeing every key), each row's own positions by the paged kernel (paged_attention.h, from the
+// prefix's end on), and the two parts merged by their softmax max and sum (flash attention's merge).
+//
+// Why: at many streams a decode row reads its whole context, and the shared prefix is read by every
+// row. Those pages stay in cache, so the prefix is vector arithmetic done once a row: a 64-row step of
+// the bundled model at 2,048 tokens, 1,008 of them shared, took 172 ms (bf16 K/V; int8 135) against
+// 141 ms (104) for the same rows over their own 1,040 positions only (/work/scratch/s26/shared_step.py).
+// On the tiles the prefix is one item per (KV head, query heads, 16 rows), its K and V packed once a
+// layer for all of them, ~0.1 ms a layer where the rows' vector loops took ~1.
+//
+// The prefix's scores and weights are bf16 products on the tiles, as a prompt's attention computes
+// them (prompt_flash_amx.h); the rows' own positions keep the decode kernel's fp32 arithmetic.
+//
+// Needs paged_attention.h, quant_amx.h and decode_phases.h included first (decode_step.cpp does).
+
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "prompt_flash_amx.h"
+
+namespace tm_cascade {
+
+// Which rows share which prefix: `prefix` tokens (whole pages, 0: no cascade) on `pages`, shared by
+// `rows` (step order; where[t] = index in rows, or -1), each of which sees its own positions from
+// starts[t] = prefix on.
+struct Plan {
+  int64_t prefix = 0;
+  const int64_t* pages = nullptr;
+  std::vector<int64_t> rows, where, starts;
+  bool on() const { return prefix > 0; }
+};
+
+// The largest set of rows whose block tables start on one page, and the whole pages all of them share
+// before their last position (each keeps one position of its own at least: its newest token). A
+// cascade when that is >= min_rows rows and >= min_prefix tokens (min_rows <= 0: never). Single decode
+// rows only: `single` is false where the step has runs of one sequence's rows (speculative decoding).
+inline Plan plan(const int64_t* table, const int64_t* lens, int64_t T, int64_t max_pages, int64_t page_size,
+                 bool single, int64_t min_rows, int64_t min_prefix) {
+  Plan p;
+  if (!single || min_rows <= 0 || T < min_rows) return p;
+  // The first page most rows with a full page start on (ties: the earliest in step order).
+  int64_t best = -1, best_count = 0;
+  std::vector<int64_t> firsts;
+  for (int64_t t = 0; t < T; ++t) firsts.push_back(lens[t] > page_size ? table[t * max_pages] : -1);
+  for (int64_t t = 0; t < T; ++t) {
+    if (firsts[t] < 0) continue;
+    const int64_t count = std::count(firsts.begin() + t, firsts.end(), firsts[t]);
+    if (count > best_count) best = firsts[t], best_count = count;
+    if (best_count * 2 > T) break;
+  }
+  if (best_count < min_rows) return p;
+  int64_t shared = max_pages, lead = -1;
+  for (int64_t t = 0; t < T; ++t) {
+    if (firsts[t] != best) continue;
+    if (lead < 0) lead = t;
+    const int64_t* a = table + lead * max_pages;
+    const int64_t* b = table + t * max_pages;
+    int64_t n = std::min(shared, (lens[t] - 1) / page_size);
+    int64_t same = 0;
+    while (same < n && a[same] == b[same]) ++same;
+    shared = same;
+  }
+  if (shared * page_size < std::max<int64_t>(min_prefix, 1)) return p;
+  p.prefix = shared * page_size;
+  p.pages = table + lead * max_pages;
+  p.where.assign(T, -1);
+  p.starts.assign(T, 0);
+  for (int64_t t = 0; t < T; ++t)
+    if (firsts[t] == best) p.where[t] = static_cast<int64_t>(p.rows.size()), p.rows.push_back(t), p.starts[t] = p.prefix;
+  return p;
+}
+
+#if TM_AMX_COMPILES
+
+// A stack's buffers for its cascade steps, kept between steps (sized by prepare): the rows' queries
+// as bf16, the prefix's outputs and stats, the rows' own stats, one layer's prefix key tiles and packed
+// values, a counter of the tile items per layer, and each thread's tile scratch.
+struct Work {
+  std::vector<uint16_t> q;          // [C, H, D]
+  std::vector<float> out;           // [C, H, D]
+  std::vector<float> prefix_stats;  // [C, H, 2]: max, sum
+  std::vector<float> own_stats;     // [T, H, 2]
+  std::vector<uint16_t> keys, values;
+  std::vector<const uint16_t*> key_tiles;  // [KVH][Tp / 16] (tm_flash::key_tiles)
+  std::unique_ptr<std::atomic<int64_t>[]> next;
+  std::vector<std::unique_ptr<tm_flash::Scratch>> scratch;
+  int64_t Tp = 0, D32 = 0, layers = 0;
+  bool rotated = false;  // int8 rows in H's basis: the queries go in rotated, the prefix's outputs come back
+
+  void prepare(const Plan& p, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t num_layers, bool rotated_rows,
+               int threads) {
+    const int64_t C = static_cast<int64_t>(p.rows.size());
+    Tp = tm_flash::round_up(p.prefix, 64), D32 = tm_flash::round_up(D, 32), rotated = rotated_rows;
+    q.resize(C * H * D), out.resize(C * H * D), prefix_stats.resize(C * H * 2), own_stats.resize(T * H * 2);
+    keys.resize(KVH * Tp * D32), values.resize(KVH * Tp * D), key_tiles.resize(KVH * Tp / 16);
+    if (layers != num_layers) next.reset(new std::atomic<int64_t>[num_layers]), layers = num_layers;
+    for (int64_t i = 0; i < layers; ++i) next[i] = 0;
+    if (!scratch.empty() && scratch[0]->acc.size() != static_cast<size_t>(tm_flash::kHeads * D * 16)) scratch.clear();
+    while (static_cast<int>(scratch.size()) < threads) scratch.push_back(tm_flash::make_scratch(D, D32));
+  }
+};
+
+// The tile call of one layer: the rows' queries against the prefix's rows in the layer's caches
+// ([KVH, slots, row] of `format`), as stored (rotation handled by the caller, see Work::rotated).
+inline tm_flash::Problem problem(const Plan& p, Work& w, const void* k_cache, const void* v_cache, int64_t num_slots,
+                                 int64_t page_size, tm_kv::CacheFormat format, int64_t H, int64_t KVH, int64_t D,
+                                 float scale) {
+  const int64_t elem = format == tm_kv::kCacheInt8 ? 1 : 2, slot = tm_kv::row_width(format, D) * elem;
+  const bool int8 = format == tm_kv::kCacheInt8;
+  tm_flash::PagedRows k{static_cast<const uint8_t*>(k_cache), num_slots * slot, slot, p.pages, page_size, int8, false};
+  tm_flash::PagedRows v = k;
+  v.base = static_cast<const uint8_t*>(v_cache);
+  tm_flash::Problem pr{w.q.data(), H * D, D, k, v, w.out.data(), false, static_cast<int64_t>(p.rows.size()), p.prefix,
+                       H, KVH, D, scale};
+  pr.causal = false;
+  pr.stats = w.prefix_stats.data();
+  return pr;
+}
+
+// Rows [c0, c1) of the cascade's queries (q [T, H, D] fp32) as bf16, rotated first where the rows are.
+TA_TARGET inline void round_queries(const Plan& p, Work& w, const float* q, int64_t H, int64_t D, int64_t c0, int64_t c1) {
+  alignas(64) float x[256];
+  for (int64_t c = c0; c < c1; ++c)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* src = q + (p.rows[c] * H + h) * D;
+      if (w.rotated) {
+        std::memcpy(x, src, D * sizeof(float));
+        tm_kv::rotate(x, D, true);
+        src = x;
+      }
+      uint16_t* dst = w.q.data() + (c * H + h) * D;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d)));
+    }
+}
+
+// Row t's outputs (attn [T, H, D], its own part, normalised) merged with its prefix part: weights
+// sum x exp(max - M) of each part.
+inline void merge_row(const Plan& p, Work& w, float* attn, int64_t t, int64_t H, int64_t D) {
+  const int64_t c = p.where[t];
+  if (c < 0) return;
+  for (int64_t h = 0; h < H; ++h) {
+    float* o = attn + (t * H + h) * D;
+    float* x = w.out.data() + (c * H + h) * D;
+    if (w.rotated) tm_kv::rotate(x, D, true);  // back from H's basis
+    const float* own = w.own_stats.data() + (t * H + h) * 2;
+    const float* pre = w.prefix_stats.data() + (c * H + h) * 2;
+    const float m = std::max(own[0], pre[0]);
+    const float a = own[1] * std::exp(own[0] - m), b = pre[1] * std::exp(pre[0] - m);
+    const float fa = a / (a + b), fb = b / (a + b);
+    for (int64_t d = 0; d < D; ++d) o[d] = fa * o[d] + fb * x[d];
+  }
+}
+
+// The attention phase of a cascade step (decode_phases.h's attention_phase otherwise): the prefix's
+// K / V tiles packed and the rows' queries rounded, shared out; the thread's chunk of the rows' own
+// items, then prefix items taken from `next` until none is left; each thread merges its rows and
+// rounds them for o.
+template <class Kit>
+inline void attention_phase(const tm_step::StackBase& st, tm_step::Scratch& s, const tm_attention::Args& la,
+                            tm_attention::RangeFn attend, const tm_attention::Plan& plan, const Plan& p, Work& cw,
+                            const tm_flash::Problem& pr, std::atomic<int64_t>& next, tm_step::Worker& w) {
+  const int64_t KVH = st.nkv, C = static_cast<int64_t>(p.rows.size());
+  for (int64_t u = w.tid; u < 2 * KVH; u += w.team) {
+    const int64_t g = u / 2;
+    if (u % 2 == 0)
+      tm_flash::key_tiles(pr, g, cw.Tp, cw.D32, cw.keys.data() + g * cw.Tp * cw.D32, cw.key_tiles.data() + g * cw.Tp / 16);
+    else
+      tm_flash::pack_values(pr, g, cw.Tp, cw.values.data() + g * cw.Tp * st.hd);
+  }
+  int64_t c0, c1;
+  tm_step::share(C, w.tid, w.team, c0, c1);
+  round_queries(p, cw, s.q, st.nq, st.hd, c0, c1);
+  w.sync();
+  const int64_t num_items = plan.num_items(), chunk = (num_items + w.team - 1) / w.team;
+  const int64_t i0 = std::min(num_items, w.tid * chunk), i1 = std::min(num_items, i0 + chunk);
+  if (i0 < i1) attend(la, i0, i1, w.scores.data(), w.acc.data());
+  tm_flash::run_items(pr, next, cw.key_tiles.data(), tm_flash::key_layout(pr), cw.values.data(), cw.Tp, cw.D32,
+                      *cw.scratch[w.tid]);
+  w.sync();
+  for (int64_t t = w.r0; t < w.r1; ++t) merge_row(p, cw, s.attn, t, st.nq, st.hd);
+  tm_step::quantize_phase<Kit>(s.attn, st.nq * st.hd, s.a_attn, w);
+}
+
+#endif  // TM_AMX_COMPILES
+
+}  // namespace tm_cascade
