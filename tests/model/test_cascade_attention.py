@@ -1,8 +1,8 @@
-"""Cascade attention in the fused decode step (csrc/cascade_attention.h): rows that share a prefix of
-whole pages attend it once on the AMX tiles and their own positions on the paged kernel, merged by
-the softmax stats. The logits agree with the step without it and with the layers op by op to the
-tiles' bf16 rounding, the greedy tokens are the same, and a step below the thresholds computes exactly
-what it computed before."""
+"""Cascade attention (csrc/cascade_attention.h), in the decode attention op and the fused decode step:
+rows that share a prefix of whole pages attend it once on the AMX tiles and their own positions on
+the paged kernel, merged by the softmax stats. The op agrees with a float64 reference to the tiles'
+bf16 rounding; a step's logits agree with the step without it and with the layers op by op, the
+greedy tokens are the same, and a step below the thresholds computes exactly what it did before."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import torch
 from tests.tiny_models import make_tiny_model, write_tiny_gguf
 from tokenmill.config import EngineConfig
 from tokenmill.engine.factory import build_engine_core
+from tokenmill.model import cpu_attention_kernel
 from tokenmill.model.kernels import decode_step, prompt_flash
+from tokenmill.model.kv_cache_format import KVCacheFormat
 from tokenmill.model.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.skipif(not (decode_step.available() and prompt_flash.available()),
@@ -20,6 +22,57 @@ pytestmark = pytest.mark.skipif(not (decode_step.available() and prompt_flash.av
 
 PAGE = 16
 SHARED = 320  # 20 pages of a shared prefix
+
+
+def op_inputs(fmt: str, rows: int, strangers: int, seed: int = 0):
+    """A pool of pages; `rows` sequences on one SHARED-token prefix's pages then 5-60 own tokens, and
+    `strangers` on pages of their own; q of one decode row each (9 query heads over 3 KV heads)."""
+    g = torch.Generator().manual_seed(seed)
+    kvh, hd, pool_pages = 3, 64, 160
+    cache = KVCacheFormat.named(fmt)
+    k_cache, v_cache = (cache.encode(torch.randn(kvh, pool_pages * PAGE, hd, generator=g)) for _ in range(2))
+    shared = list(range(SHARED // PAGE))
+    order = torch.randperm(pool_pages - len(shared), generator=g) + len(shared)  # shuffled own pages
+    tables, lens, used = [], [], 0
+    for i in range(rows + strangers):
+        length = SHARED + 5 + (11 * i) % 56
+        need = -(-length // PAGE)
+        first = shared if i < rows else []
+        own = order[used:used + need - len(first)].tolist()
+        used += len(own)
+        tables.append(first + own)
+        lens.append(length)
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(rows + strangers, 9, hd, generator=g)
+    return q, k_cache, v_cache, table, torch.tensor(lens), cache
+
+
+def op_reference(q, k_cache, v_cache, table, lens, cache, scale):
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r in range(q.shape[0]):
+        slots = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in table[r].tolist()])[: lens[r]]
+        keys, values = (cache.decode(c[:, slots]).double().repeat_interleave(3, 0) for c in (k_cache, v_cache))
+        probs = torch.softmax(torch.einsum("hd,htd->ht", q[r].double(), keys) * scale, -1)
+        out[r] = torch.einsum("ht,htd->hd", probs, values)
+    return out
+
+
+@pytest.mark.skipif(not cpu_attention_kernel.available(), reason="needs the CPU attention kernel")
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_the_op_attends_a_shared_prefix_once_to_the_tiles_rounding(fmt):
+    q, k_cache, v_cache, table, lens, cache = op_inputs(fmt, rows=20, strangers=3)
+    args = (q, k_cache, v_cache, table, lens, PAGE, 0.125)
+    plain = cpu_attention_kernel.paged_decode_attention(*args, cascade=(0, 0))
+    cascade = cpu_attention_kernel.paged_decode_attention(*args, cascade=(12, 256))
+    want = op_reference(q, k_cache, v_cache, table, lens, cache, 0.125)
+    assert not torch.equal(cascade[:20], plain[:20])  # the prefix went through the tiles
+    torch.testing.assert_close(cascade.double(), want, atol=2.5e-2, rtol=2e-2)  # bf16 products on the prefix
+    torch.testing.assert_close(plain.double(), want, atol=1e-3, rtol=1e-3)
+    assert torch.equal(cascade[20:], plain[20:])  # rows on pages of their own: the kernel's arithmetic
+    # below either threshold: exactly the kernel's
+    assert torch.equal(cpu_attention_kernel.paged_decode_attention(*args, cascade=(21, 256)), plain)
+    assert torch.equal(cpu_attention_kernel.paged_decode_attention(*args, cascade=(12, SHARED + PAGE)), plain)
 
 
 @pytest.fixture(scope="module")
@@ -79,20 +132,23 @@ def op_by_op(runner: ModelRunner, chunks: list[SeqChunk]) -> torch.Tensor:
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("strangers", [0, 3])
-def test_rows_over_a_shared_prefix_agree_with_the_step_without_it(model_file, kv_dtype, strangers):
+def test_rows_over_a_shared_prefix_agree_with_the_step_without_it(model_file, kv_dtype, strangers, monkeypatch):
     runner = runner_for(model_file, kv_dtype)
     chunks = decode_rows(runner, 16, strangers)
     without = step(runner, chunks, 0)
     cascade = step(runner, chunks, 12)
-    eager = op_by_op(runner, chunks)
+    eager = op_by_op(runner, chunks)  # the op attends the prefix once too
+    monkeypatch.setattr(cpu_attention_kernel, "_CASCADE_OFF", True)
+    eager_without = op_by_op(runner, chunks)
     assert not torch.equal(cascade, without)  # the prefix really went through the tiles
     scale = eager.abs().max().item()
+    # the fused step and the layers op by op: the same arithmetic either way, to float rounding
+    torch.testing.assert_close(without, eager_without, atol=2e-4 * scale, rtol=1e-4)
+    torch.testing.assert_close(cascade, eager, atol=2e-4 * scale, rtol=1e-4)
     # the prefix's bf16 products and weights against the decode kernel's fp32 ones
-    torch.testing.assert_close(cascade, eager, atol=2e-2 * scale, rtol=0)
-    assert (cascade - eager).abs().max() < 2e-2 * scale
-    torch.testing.assert_close(without, eager, atol=2e-4 * scale, rtol=1e-4)
+    assert (cascade - without).abs().max() < 2e-2 * scale
     assert torch.equal(cascade.argmax(-1), without.argmax(-1))
-    # rows that do not share the prefix keep the kernel's arithmetic: each row as computed without it
+    # rows that do not share the prefix keep the kernel's arithmetic
     if strangers:
         assert torch.equal(cascade[16:], without[16:])
 

@@ -24,6 +24,22 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "TOKENMILL_DISABLE_CPU_KERNEL"
 
+# Cascade attention (csrc/cascade_attention.h): a step's decode rows that share a prefix of at least
+# CASCADE_MIN_PREFIX tokens, that many rows or more by the cache's dtype, attend it once on AMX tiles
+# where the CPU has them (the fused decode step and this op alike). Measured on SmolLM2's heads
+# (docs/benchmarks.md): from 12 rows on with bf16 K/V, from 16 with int8 (its prefix rows are decoded
+# for the tiles, where the rows' own loop reads half the bytes). TOKENMILL_CASCADE=0 (read at start)
+# turns it off: the A/B there.
+CASCADE_ENV = "TOKENMILL_CASCADE"
+CASCADE_MIN_ROWS = {torch.bfloat16: 12, torch.int8: 16}
+CASCADE_MIN_PREFIX = 256
+_CASCADE_OFF = os.environ.get(CASCADE_ENV, "").strip() == "0"
+
+
+def cascade_thresholds(cache_dtype: torch.dtype) -> tuple[int, int]:
+    """(min rows, min shared prefix tokens) for cascade attention over a cache of this dtype; rows 0: never."""
+    return (0 if _CASCADE_OFF else CASCADE_MIN_ROWS.get(cache_dtype, 0)), CASCADE_MIN_PREFIX
+
 _lock = threading.Lock()
 _state: bool | None = None  # None: not tried yet; True: loaded; False: unavailable in this process
 
@@ -55,15 +71,18 @@ def paged_decode_attention(
     isa: int = -1,  # tests: at most 0 baseline, 1 AVX2, 2 AVX-512, 3 AVX-512 + bf16 pairs in runs; -1: the best
     window: int | None = None,  # sliding window in tokens (None: none)
     softcap: float | None = None,  # scores capped as softcap * tanh(score / softcap) (None: none)
+    cascade: tuple[int, int] | None = None,  # (min rows, min prefix) of cascade attention; None: cascade_thresholds
 ) -> torch.Tensor:  # [nd, num_heads, head_dim] float32
     """Attention of one query token per sequence over its cached positions 0..seq_lens[i]-1, or
     under a window the last `window` of them (the table's entries of pages wholly before those are
-    never read)."""
+    never read). Rows sharing a prefix of whole pages may attend it once on AMX tiles (cascade)."""
     # Loaded: skip available()'s environment lookup, ~7 us x 30 layers of every step.
     if _state is not True and not available():
         raise RuntimeError("the CPU paged-attention kernel is not available")
     op = torch.ops.tokenmill_cpu.paged_decode_attention
-    return op(q, k_cache, v_cache, block_table, seq_lens, page_size, scale, isa, window or 0, softcap or 0.0)
+    min_rows, min_prefix = cascade_thresholds(k_cache.dtype) if cascade is None else cascade
+    return op(q, k_cache, v_cache, block_table, seq_lens, page_size, scale, isa, window or 0, softcap or 0.0, min_rows,
+              min_prefix)
 
 
 def best_isa() -> int:

@@ -9,10 +9,9 @@ kernels, so the outputs agree to float rounding (tests/model/test_fused_decode.p
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tokenmill.model import cpu_attention_kernel
 from tokenmill.model.attention import AttentionMetadata, TorchPagedAttention
 from tokenmill.model.fused_decode_moe import moe_binding
 from tokenmill.model.kernels import decode_step, quant_kernel
@@ -34,16 +33,6 @@ def _blocked(linear) -> list[BlockedWeight] | None:
         parts = [_blocked(p) for p in linear.parts]
         return None if any(p is None for p in parts) else [w for p in parts for w in p]
     return None
-
-
-# Cascade attention (csrc/cascade_attention.h): a step's rows that share a prefix of at least
-# CASCADE_MIN_PREFIX tokens, that many rows or more by the cache's dtype, attend it once on AMX tiles
-# (where the CPU has them). Measured on SmolLM2's heads (docs/benchmarks.md): from 12 rows on with bf16
-# K/V, from 16 with int8 (its prefix rows are decoded for the tiles, where the rows' own loop reads
-# half the bytes). TOKENMILL_CASCADE=0 turns it off (the A/B there).
-CASCADE_ENV = "TOKENMILL_CASCADE"
-CASCADE_MIN_ROWS = {torch.bfloat16: 12, torch.int8: 16}
-CASCADE_MIN_PREFIX = 256
 
 
 class FusedDecodeStack:
@@ -101,8 +90,7 @@ class FusedDecodeStack:
             moe = moe_binding(layer)
             if moe is not None:
                 self._stack.set_moe(i, moe.tensors, moe.formats, moe.router, moe.shared_gate, moe.top_k, moe.norm)
-        min_rows = CASCADE_MIN_ROWS.get(kv_caches[0][0].dtype, 0)  # fp32 caches: never
-        self.set_cascade(0 if os.environ.get(CASCADE_ENV) == "0" else min_rows, CASCADE_MIN_PREFIX)
+        self.set_cascade(*cpu_attention_kernel.cascade_thresholds(kv_caches[0][0].dtype))
 
     def set_cascade(self, min_rows: int, min_prefix: int) -> None:
         """Attend a prefix of >= min_prefix tokens shared by >= min_rows of a step's rows once (min_rows 0: never)."""

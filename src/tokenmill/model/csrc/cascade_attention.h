@@ -14,7 +14,10 @@
 // The prefix's scores and weights are bf16 products on the tiles, as a prompt's attention computes
 // them (prompt_flash_amx.h); the rows' own positions keep the decode kernel's fp32 arithmetic.
 //
-// Needs paged_attention.h, quant_amx.h and decode_phases.h included first (decode_step.cpp does).
+// Needs paged_attention.h included first. The fused step's phase: decode_phases.h; the op's call
+// (a mixed step's decode rows): attend_call below.
+
+#include <ATen/Parallel.h>
 
 #include <atomic>
 #include <memory>
@@ -104,18 +107,18 @@ struct Work {
   }
 };
 
-// The tile call of one layer: the rows' queries against the prefix's rows in the layer's caches
-// ([KVH, slots, row] of `format`), as stored (rotation handled by the caller, see Work::rotated).
-inline tm_flash::Problem problem(const Plan& p, Work& w, const void* k_cache, const void* v_cache, int64_t num_slots,
-                                 int64_t page_size, tm_kv::CacheFormat format, int64_t H, int64_t KVH, int64_t D,
-                                 float scale) {
-  const int64_t elem = format == tm_kv::kCacheInt8 ? 1 : 2, slot = tm_kv::row_width(format, D) * elem;
+// The tile call over one layer's caches (a.k, a.v, laid out as `a` says, rows of `format`): the
+// rows' queries against the prefix's rows as stored (rotation handled by the caller, see
+// Work::rotated), every key seen, softmax stats out.
+inline tm_flash::Problem problem(const Plan& p, Work& w, const tm_attention::Args& a, tm_kv::CacheFormat format) {
+  const int64_t elem = format == tm_kv::kCacheInt8 ? 1 : 2;
   const bool int8 = format == tm_kv::kCacheInt8;
-  tm_flash::PagedRows k{static_cast<const uint8_t*>(k_cache), num_slots * slot, slot, p.pages, page_size, int8, false};
+  tm_flash::PagedRows k{static_cast<const uint8_t*>(a.k), a.head_stride * elem, a.slot_stride * elem, p.pages, a.page_size,
+                        int8, false};
   tm_flash::PagedRows v = k;
-  v.base = static_cast<const uint8_t*>(v_cache);
-  tm_flash::Problem pr{w.q.data(), H * D, D, k, v, w.out.data(), false, static_cast<int64_t>(p.rows.size()), p.prefix,
-                       H, KVH, D, scale};
+  v.base = static_cast<const uint8_t*>(a.v);
+  tm_flash::Problem pr{w.q.data(), a.num_heads * a.hd, a.hd, k, v, w.out.data(), false,
+                       static_cast<int64_t>(p.rows.size()), p.prefix, a.num_heads, a.kv_heads, a.hd, a.scale};
   pr.causal = false;
   pr.stats = w.prefix_stats.data();
   return pr;
@@ -156,34 +159,37 @@ inline void merge_row(const Plan& p, Work& w, float* attn, int64_t t, int64_t H,
   }
 }
 
-// The attention phase of a cascade step (decode_phases.h's attention_phase otherwise): the prefix's
-// K / V tiles packed and the rows' queries rounded, shared out; the thread's chunk of the rows' own
-// items, then prefix items taken from `next` until none is left; each thread merges its rows and
-// rounds them for o.
-template <class Kit>
-inline void attention_phase(const tm_step::StackBase& st, tm_step::Scratch& s, const tm_attention::Args& la,
-                            tm_attention::RangeFn attend, const tm_attention::Plan& plan, const Plan& p, Work& cw,
-                            const tm_flash::Problem& pr, std::atomic<int64_t>& next, tm_step::Worker& w) {
-  const int64_t KVH = st.nkv, C = static_cast<int64_t>(p.rows.size());
-  for (int64_t u = w.tid; u < 2 * KVH; u += w.team) {
-    const int64_t g = u / 2;
-    if (u % 2 == 0)
-      tm_flash::key_tiles(pr, g, cw.Tp, cw.D32, cw.keys.data() + g * cw.Tp * cw.D32, cw.key_tiles.data() + g * cw.Tp / 16);
-    else
-      tm_flash::pack_values(pr, g, cw.Tp, cw.values.data() + g * cw.Tp * st.hd);
-  }
-  int64_t c0, c1;
-  tm_step::share(C, w.tid, w.team, c0, c1);
-  round_queries(p, cw, s.q, st.nq, st.hd, c0, c1);
-  w.sync();
-  const int64_t num_items = plan.num_items(), chunk = (num_items + w.team - 1) / w.team;
-  const int64_t i0 = std::min(num_items, w.tid * chunk), i1 = std::min(num_items, i0 + chunk);
-  if (i0 < i1) attend(la, i0, i1, w.scores.data(), w.acc.data());
-  tm_flash::run_items(pr, next, cw.key_tiles.data(), tm_flash::key_layout(pr), cw.values.data(), cw.Tp, cw.D32,
-                      *cw.scratch[w.tid]);
-  w.sync();
-  for (int64_t t = w.r0; t < w.r1; ++t) merge_row(p, cw, s.attn, t, st.nq, st.hd);
-  tm_step::quantize_phase<Kit>(s.attn, st.nq * st.hd, s.a_attn, w);
+// Cascade attention as one op call (csrc/paged_attention.cpp: a mixed step's decode rows) over `args`
+// (the rows' items planned as usual, its caches set; its starts and stats set here): the prefix's
+// tiles and the rows' queries, the rows' own items, the prefix's items, the merge, each an
+// at::parallel_for.
+inline void attend_call(const Plan& p, Work& cw, tm_attention::Args& args, const tm_attention::Plan& plan,
+                        tm_attention::RangeFn fn, tm_kv::CacheFormat format) {
+  const int64_t H = args.num_heads, KVH = args.kv_heads, D = args.hd, C = static_cast<int64_t>(p.rows.size());
+  args.starts = p.starts.data();
+  args.stats = cw.own_stats.data();
+  const tm_flash::Problem pr = problem(p, cw, args, format);
+  at::parallel_for(0, 2 * KVH + C, 1, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t g = u / 2;
+      if (u >= 2 * KVH) round_queries(p, cw, args.q, H, D, u - 2 * KVH, u - 2 * KVH + 1);
+      else if (u % 2 == 0) tm_flash::key_tiles(pr, g, cw.Tp, cw.D32, cw.keys.data() + g * cw.Tp * cw.D32, cw.key_tiles.data() + g * cw.Tp / 16);
+      else tm_flash::pack_values(pr, g, cw.Tp, cw.values.data() + g * cw.Tp * D);
+    }
+  });
+  at::parallel_for(0, plan.num_items(), 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores(static_cast<size_t>(plan.scores_size)), acc(static_cast<size_t>(args.group * D));
+    fn(args, b, e, scores.data(), acc.data());
+  });
+  const int threads = static_cast<int>(cw.scratch.size());
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      tm_flash::run_items(pr, cw.next[0], cw.key_tiles.data(), tm_flash::key_layout(pr), cw.values.data(), cw.Tp, cw.D32,
+                          *cw.scratch[t]);
+  });
+  at::parallel_for(0, static_cast<int64_t>(p.where.size()), 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) merge_row(p, cw, args.out, t, H, D);
+  });
 }
 
 #endif  // TM_AMX_COMPILES

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cascade_attention.h"
 #include "decode_kits.h"
 #include "step_barrier.h"
 
@@ -265,6 +266,40 @@ inline void attention_phase(const StackBase& st, Scratch& s, const tm_attention:
   }
   quantize_phase<Kit>(s.attn, st.nq * st.hd, s.a_attn, w);
 }
+
+#if TM_AMX_COMPILES
+// The attention phase of a cascade step (cascade_attention.h; attention_phase otherwise): the prefix's
+// K / V tiles packed and the rows' queries rounded, shared out; the thread's chunk of the rows' own
+// items, then prefix items taken from `next` until none is left; each thread merges its rows and
+// rounds them for o.
+template <class Kit>
+inline void cascade_attention_phase(const StackBase& st, Scratch& s, const tm_attention::Args& la,
+                                    tm_attention::RangeFn attend, const tm_attention::Plan& plan,
+                                    const tm_cascade::Plan& p, tm_cascade::Work& cw, const tm_flash::Problem& pr,
+                                    std::atomic<int64_t>& next, Worker& w) {
+  const int64_t KVH = st.nkv, C = static_cast<int64_t>(p.rows.size());
+  for (int64_t u = w.tid; u < 2 * KVH; u += w.team) {
+    const int64_t g = u / 2;
+    if (u % 2 == 0)
+      tm_flash::key_tiles(pr, g, cw.Tp, cw.D32, cw.keys.data() + g * cw.Tp * cw.D32, cw.key_tiles.data() + g * cw.Tp / 16);
+    else
+      tm_flash::pack_values(pr, g, cw.Tp, cw.values.data() + g * cw.Tp * st.hd);
+  }
+  int64_t c0, c1;
+  share(C, w.tid, w.team, c0, c1);
+  tm_cascade::round_queries(p, cw, s.q, st.nq, st.hd, c0, c1);
+  w.sync();
+  const int64_t num_items = plan.num_items(), chunk = (num_items + w.team - 1) / w.team;
+  const int64_t i0 = std::min(num_items, w.tid * chunk), i1 = std::min(num_items, i0 + chunk);
+  if (i0 < i1) attend(la, i0, i1, w.scores.data(), w.acc.data());
+  tm_flash::run_items(pr, next, cw.key_tiles.data(), tm_flash::key_layout(pr), cw.values.data(), cw.Tp, cw.D32,
+                      *cw.scratch[w.tid]);
+  w.sync();
+  for (int64_t t = w.r0; t < w.r1; ++t) tm_cascade::merge_row(p, cw, s.attn, t, st.nq, st.hd);
+  quantize_phase<Kit>(s.attn, st.nq * st.hd, s.a_attn, w);
+}
+
+#endif
 
 // The gated MLP from the rounded s.h into s.delta: gate_up, act(gate, up) on the thread's rows
 // (Act: void(const float* gu, int64_t inter, float* out, int64_t t0, int64_t t1)), rounded, down.

@@ -22,7 +22,6 @@
 #include "quant_avx2.h"
 #include "quant_vnni.h"
 #include "decode_phases.h"
-#include "cascade_attention.h"
 #include "decode_row_phases.h"
 #include "decode_step_moe.h"
 
@@ -237,9 +236,8 @@ struct DecodeStack : tm_step::StackBase {
           la.v = l.v_cache;
 #if TM_AMX_COMPILES
           if (cw) {
-            const tm_flash::Problem pr = tm_cascade::problem(cascade, *cw, l.k_cache, l.v_cache, num_slots, page_size,
-                                                             cache_format, nq, nkv, hd, static_cast<float>(scale));
-            tm_cascade::attention_phase<Kit>(*this, s, la, attend, plan, cascade, *cw, pr, cw->next[i], w);
+            const tm_flash::Problem pr = tm_cascade::problem(cascade, *cw, la, cache_format);
+            tm_step::cascade_attention_phase<Kit>(*this, s, la, attend, plan, cascade, *cw, pr, cw->next[i], w);
           } else
 #endif
             tm_step::attention_phase<Kit>(*this, s, la, attend, plan, w);

@@ -1,6 +1,7 @@
 // The paged decode attention op (the kernel and its work planning: paged_attention.h).
 
 #include "paged_attention.h"
+#include "cascade_attention.h"
 
 namespace {
 
@@ -10,7 +11,8 @@ using tm_kv::row_width;
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table_in, const at::Tensor& seq_lens_in,
-                                  int64_t page_size, double scale, int64_t isa, int64_t window, double softcap) {
+                                  int64_t page_size, double scale, int64_t isa, int64_t window, double softcap,
+                                  int64_t cascade_min_rows, int64_t cascade_min_prefix) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be [nd, num_heads, head_dim] float32");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "k_cache/v_cache must be [kv_heads, slots, head_dim]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
@@ -58,6 +60,24 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   a.v = v_cache.data_ptr();
 
   const RangeFn fn = pick(chosen, format);
+#if TM_AMX_COMPILES
+  // Rows over a shared prefix (cascade_attention.h): not under a window or soft-capping, bf16 / int8
+  // caches, head dims of whole tiles, where the process may run tiles.
+  if (cascade_min_rows > 0 && window == 0 && softcap == 0 && format != tm_kv::kCacheF32 && hd % 16 == 0 &&
+      nd >= cascade_min_rows && tm_amx::amx_ready()) {
+    bool single = true;
+    for (int64_t i = 0; i < num_items; ++i) single = single && plan.items[i * kItemFields + 1] == 1;
+    const tm_cascade::Plan cp = tm_cascade::plan(table_ptr, lens_ptr, nd, max_pages, page_size, single, cascade_min_rows,
+                                                 cascade_min_prefix);
+    if (cp.on()) {
+      tm_cascade::Work cw;
+      cw.prepare(cp, nd, num_heads, kv_heads, hd, 1, format == tm_kv::kCacheInt8 && tm_kv::rotates(hd),
+                 at::get_num_threads());
+      tm_cascade::attend_call(cp, cw, a, plan, fn, format);
+      return out;
+    }
+  }
+#endif
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(plan.scores_size));
     std::vector<float> acc(static_cast<size_t>(group * hd));
@@ -74,7 +94,8 @@ int64_t best_isa() { return static_cast<int64_t>(selected_isa(-1)); }
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-      "int page_size, float scale, int isa=-1, int window=0, float softcap=0.0) -> Tensor",
+      "int page_size, float scale, int isa=-1, int window=0, float softcap=0.0, int cascade_min_rows=0, "
+      "int cascade_min_prefix=0) -> Tensor",
       &paged_decode_attention);
   m.def("best_isa() -> int", &best_isa);
 }
