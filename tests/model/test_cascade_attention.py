@@ -137,7 +137,9 @@ def test_rows_over_a_shared_prefix_agree_with_the_step_without_it(model_file, kv
     chunks = decode_rows(runner, 16, strangers)
     without = step(runner, chunks, 0)
     cascade = step(runner, chunks, 12)
-    eager = op_by_op(runner, chunks)  # the op attends the prefix once too
+    # the op attends the prefix once too (at these rows and prefix when asked)
+    monkeypatch.setattr(cpu_attention_kernel, "CASCADE_OP", {kv_dtype: (12, 256)})
+    eager = op_by_op(runner, chunks)
     monkeypatch.setattr(cpu_attention_kernel, "_CASCADE_OFF", True)
     eager_without = op_by_op(runner, chunks)
     assert not torch.equal(cascade, without)  # the prefix really went through the tiles

@@ -24,21 +24,26 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "TOKENMILL_DISABLE_CPU_KERNEL"
 
-# Cascade attention (csrc/cascade_attention.h): a step's decode rows that share a prefix of at least
-# CASCADE_MIN_PREFIX tokens, that many rows or more by the cache's dtype, attend it once on AMX tiles
-# where the CPU has them (the fused decode step and this op alike). Measured on SmolLM2's heads
-# (docs/benchmarks.md): from 12 rows on with bf16 K/V, from 16 with int8 (its prefix rows are decoded
-# for the tiles, where the rows' own loop reads half the bytes). TOKENMILL_CASCADE=0 (read at start)
-# turns it off: the A/B there.
+# Cascade attention (csrc/cascade_attention.h): a step's decode rows that share a prefix attend it
+# once on AMX tiles where the CPU has them, from (rows, shared prefix tokens) on, by the cache's dtype
+# and by where the rows run. Measured on SmolLM2's heads (docs/benchmarks.md): the fused decode step
+# gains from 12 rows with bf16 K/V, 16 with int8 (its prefix rows are decoded for the tiles, where the
+# rows' own loop reads half the bytes), at 256 tokens; the op (a mixed step's decode rows, three more
+# thread forks a layer) only from 16 / 32 rows at 512. TOKENMILL_CASCADE=0 (read at start) turns it
+# off: the A/B there.
 CASCADE_ENV = "TOKENMILL_CASCADE"
-CASCADE_MIN_ROWS = {torch.bfloat16: 12, torch.int8: 16}
-CASCADE_MIN_PREFIX = 256
+CASCADE_FUSED = {torch.bfloat16: (12, 256), torch.int8: (16, 256)}
+CASCADE_OP = {torch.bfloat16: (16, 512), torch.int8: (32, 512)}
 _CASCADE_OFF = os.environ.get(CASCADE_ENV, "").strip() == "0"
 
 
-def cascade_thresholds(cache_dtype: torch.dtype) -> tuple[int, int]:
-    """(min rows, min shared prefix tokens) for cascade attention over a cache of this dtype; rows 0: never."""
-    return (0 if _CASCADE_OFF else CASCADE_MIN_ROWS.get(cache_dtype, 0)), CASCADE_MIN_PREFIX
+def cascade_thresholds(cache_dtype: torch.dtype, fused_step: bool = False) -> tuple[int, int]:
+    """(min rows, min shared prefix tokens) for cascade attention over a cache of this dtype, in the
+    fused decode step or the op; rows 0: never (fp32 caches, or TOKENMILL_CASCADE=0)."""
+    if _CASCADE_OFF:
+        return 0, 0
+    return (CASCADE_FUSED if fused_step else CASCADE_OP).get(cache_dtype, (0, 0))
+
 
 _lock = threading.Lock()
 _state: bool | None = None  # None: not tried yet; True: loaded; False: unavailable in this process

@@ -90,7 +90,7 @@ class FusedDecodeStack:
             moe = moe_binding(layer)
             if moe is not None:
                 self._stack.set_moe(i, moe.tensors, moe.formats, moe.router, moe.shared_gate, moe.top_k, moe.norm)
-        self.set_cascade(*cpu_attention_kernel.cascade_thresholds(kv_caches[0][0].dtype))
+        self.set_cascade(*cpu_attention_kernel.cascade_thresholds(kv_caches[0][0].dtype, fused_step=True))
 
     def set_cascade(self, min_rows: int, min_prefix: int) -> None:
         """Attend a prefix of >= min_prefix tokens shared by >= min_rows of a step's rows once (min_rows 0: never)."""
