@@ -10,7 +10,9 @@ consecutive rows (speculative verification and fast mode's prompt chunks).
     tokenmill bench kv-cache --rows 64 --context 1024 --repeats 20
 
 `--steps` times whole decode steps of the bundled model instead (fast mode, `--rows` streams of
-`--context` cached tokens, caches filled with random rows rather than prefilled), per dtype.
+`--context` cached tokens, caches filled with random rows rather than prefilled), per dtype; with
+`--shared-prefix N` the rows share their first N tokens' pages, timed with cascade attention off and
+on, alternating.
 `--rounding` measures what int8 rows lose on a real model's K/V (the bundled model's cache
 after one held-out prompt): the relative RMS error of a scale per token and head (the format used)
 against a scale per group of 32 values, per layer range, so the choice of granularity is a number.
@@ -94,18 +96,23 @@ def rounding_report(prompt_tokens: int) -> None:
               f"{group_error(rotate(v), hd):9.4f}")
 
 
-def step_report(dtypes: list[str], streams: int, context: int, repeats: int, threads: int) -> None:
+def step_report(dtypes: list[str], streams: int, context: int, repeats: int, threads: int, shared: int = 0) -> None:
     """Whole decode steps of the bundled model (fast mode) at `streams` rows of `context` cached tokens
-    each: the caches are filled with random rows instead of prefilled (only the time matters here)."""
+    each: the caches are filled with random rows instead of prefilled (only the time matters here).
+    With `shared`, the rows' first shared // 16 pages are one prefix's, and the steps are timed with
+    cascade attention (csrc/cascade_attention.h) off and at its thresholds, alternating."""
     from tokenmill.config import EngineConfig
     from tokenmill.engine.factory import build_engine_core
+    from tokenmill.model.cpu_attention_kernel import cascade_thresholds
     from tokenmill.model.runner import SeqChunk
 
     pages_per_seq = -(-(context + 1) // 16)
-    print(f"decode steps, {streams} rows x {context} cached tokens, bundled model, fast, {threads} threads, "
-          f"load {os.getloadavg()[0]:.2f}; ms per step, median [min-max] of {repeats}")
+    prefix = min(shared // 16, pages_per_seq - 1)
+    own = pages_per_seq - prefix
+    print(f"decode steps, {streams} rows x {context} cached tokens ({prefix * 16} of them shared), bundled model, "
+          f"fast, {threads} threads, load {os.getloadavg()[0]:.2f}; ms per step, median [min-max] of {repeats}")
     for name in dtypes:
-        core = build_engine_core(EngineConfig(kv_cache_tokens=streams * pages_per_seq * 16, kv_cache_dtype=name,
+        core = build_engine_core(EngineConfig(kv_cache_tokens=(prefix + streams * own) * 16, kv_cache_dtype=name,
                                               num_threads=threads))
         runner = core.runner
         fmt = runner.kv_format
@@ -115,16 +122,23 @@ def step_report(dtypes: list[str], streams: int, context: int, repeats: int, thr
                 values = torch.randn(cache.shape[0], cache.shape[1], runner.model.config.head_dim, generator=g)
                 cache.copy_(fmt.encode(values))
         runner._zeroed_pages = runner.num_pages  # filled above: nothing left to zero
-        chunks = [SeqChunk([100 + i], context, list(range(i * pages_per_seq, (i + 1) * pages_per_seq)), sample=True)
-                  for i in range(streams)]
+        chunks = [SeqChunk([100 + i], context, list(range(prefix)) + list(range(prefix + i * own, prefix + (i + 1) * own)),
+                           sample=True) for i in range(streams)]
         runner.execute(chunks)
-        times = []
+        stack = runner.model._decode_stack
+        kinds = {"": None} if not prefix or stack is None else {
+            " cascade off": (0, 0), " cascade on": cascade_thresholds(runner.kv_caches[0][0].dtype, fused_step=True)}
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for _ in range(repeats):
-            start = time.perf_counter()
-            runner.execute(chunks)
-            times.append((time.perf_counter() - start) * 1e3)
-        print(f"{name:5s} {statistics.median(times):8.1f} [{min(times):.1f}-{max(times):.1f}]  "
-              f"({runner.kv_bytes_per_token} KV bytes a token)")
+            for kind, thresholds in kinds.items():
+                if thresholds is not None:
+                    stack.set_cascade(*thresholds)
+                start = time.perf_counter()
+                runner.execute(chunks)
+                times[kind].append((time.perf_counter() - start) * 1e3)
+        for kind, t in times.items():
+            print(f"{name:5s}{kind} {statistics.median(t):8.1f} [{min(t):.1f}-{max(t):.1f}]  "
+                  f"({runner.kv_bytes_per_token} KV bytes a token)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -136,6 +150,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=at_least(1), default=2)
     p.add_argument("--rounding", action="store_true", help="int8 rounding error on the bundled model's K/V instead")
     p.add_argument("--steps", action="store_true", help="whole decode steps of the bundled model at --rows streams")
+    p.add_argument("--shared-prefix", type=at_least(0), default=0,
+                   help="with --steps: tokens of the context all rows share (whole pages), timed with cascade off and on")
 
 
 def add_kv_cache_parser(subparsers: Any) -> None:
@@ -156,7 +172,7 @@ def cmd_kv_cache(a: argparse.Namespace) -> int:
         rounding_report(512)
         return 0
     if a.steps:
-        step_report(dtypes, a.rows, a.context, a.repeats, a.num_threads)
+        step_report(dtypes, a.rows, a.context, a.repeats, a.num_threads, a.shared_prefix)
         return 0
     if not kernel.available():
         print("error: the CPU attention kernel is not available", file=sys.stderr)
