@@ -24,11 +24,11 @@ PAGE = 16
 SHARED = 320  # 20 pages of a shared prefix
 
 
-def op_inputs(fmt: str, rows: int, strangers: int, seed: int = 0):
+def op_inputs(fmt: str, rows: int, strangers: int, heads: int, kvh: int, hd: int, seed: int = 0):
     """A pool of pages; `rows` sequences on one SHARED-token prefix's pages then 5-60 own tokens, and
-    `strangers` on pages of their own; q of one decode row each (9 query heads over 3 KV heads)."""
+    `strangers` on pages of their own; q of one decode row each."""
     g = torch.Generator().manual_seed(seed)
-    kvh, hd, pool_pages = 3, 64, 160
+    pool_pages = 160
     cache = KVCacheFormat.named(fmt)
     k_cache, v_cache = (cache.encode(torch.randn(kvh, pool_pages * PAGE, hd, generator=g)) for _ in range(2))
     shared = list(range(SHARED // PAGE))
@@ -44,15 +44,16 @@ def op_inputs(fmt: str, rows: int, strangers: int, seed: int = 0):
         lens.append(length)
     width = max(map(len, tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q = torch.randn(rows + strangers, 9, hd, generator=g)
+    q = torch.randn(rows + strangers, heads, hd, generator=g)
     return q, k_cache, v_cache, table, torch.tensor(lens), cache
 
 
 def op_reference(q, k_cache, v_cache, table, lens, cache, scale):
     out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[0]
     for r in range(q.shape[0]):
         slots = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in table[r].tolist()])[: lens[r]]
-        keys, values = (cache.decode(c[:, slots]).double().repeat_interleave(3, 0) for c in (k_cache, v_cache))
+        keys, values = (cache.decode(c[:, slots]).double().repeat_interleave(group, 0) for c in (k_cache, v_cache))
         probs = torch.softmax(torch.einsum("hd,htd->ht", q[r].double(), keys) * scale, -1)
         out[r] = torch.einsum("ht,htd->hd", probs, values)
     return out
@@ -60,8 +61,9 @@ def op_reference(q, k_cache, v_cache, table, lens, cache, scale):
 
 @pytest.mark.skipif(not cpu_attention_kernel.available(), reason="needs the CPU attention kernel")
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
-def test_the_op_attends_a_shared_prefix_once_to_the_tiles_rounding(fmt):
-    q, k_cache, v_cache, table, lens, cache = op_inputs(fmt, rows=20, strangers=3)
+@pytest.mark.parametrize("heads, kvh, hd", [(9, 3, 64), (4, 1, 256)])  # SmolLM2's; Gemma 3's (keys packed)
+def test_the_op_attends_a_shared_prefix_once_to_the_tiles_rounding(fmt, heads, kvh, hd):
+    q, k_cache, v_cache, table, lens, cache = op_inputs(fmt, 20, 3, heads, kvh, hd)
     args = (q, k_cache, v_cache, table, lens, PAGE, 0.125)
     plain = cpu_attention_kernel.paged_decode_attention(*args, cascade=(0, 0))
     cascade = cpu_attention_kernel.paged_decode_attention(*args, cascade=(12, 256))
