@@ -143,6 +143,8 @@ def test_bf16_pages_read_in_place_ignore_what_lies_past_the_context():
     k_cache[:, 150:], v_cache[:, 150:] = float("nan"), float("nan")
     assert torch.equal(prompt_flash.attend(q, k_cache, v_cache, pages, 150, page, 0.125), clean)
     torch.testing.assert_close(clean.double(), reference(q, k, v, 0.125), **BOUND)
+    # pages of half a tile are packed first: the same keys, the same products, the same numbers
+    assert torch.equal(prompt_flash.attend(q, k_cache, v_cache, torch.arange(20), 150, 8, 0.125), clean)
 
 
 @pytest.mark.parametrize("q_len, kv_len, page, fmt", [
