@@ -1,15 +1,16 @@
 #pragma once
-// Cascade attention for a fused decode step whose rows share a prefix (many streams under one system
-// prompt): the shared pages attended once for all those rows on AMX tiles (prompt_flash_amx.h, every
-// query seeing every key), each row's own positions by the paged kernel (paged_attention.h, from the
-// prefix's end on), and the two parts merged by their softmax max and sum (flash attention's merge).
+// Cascade attention for decode rows that share a prefix (many streams under one system prompt), in
+// the fused decode step and in the decode attention op: the shared pages attended once for all those
+// rows on AMX tiles (prompt_flash_amx.h, every query seeing every key), each row's own positions by
+// the paged kernel (paged_attention.h, from the prefix's end on), and the two parts merged by their
+// softmax max and sum (flash attention's merge).
 //
 // Why: at many streams a decode row reads its whole context, and the shared prefix is read by every
 // row. Those pages stay in cache, so the prefix is vector arithmetic done once a row: a 64-row step of
 // the bundled model at 2,048 tokens, 1,008 of them shared, took 172 ms (bf16 K/V; int8 135) against
 // 141 ms (104) for the same rows over their own 1,040 positions only (/work/scratch/s26/shared_step.py).
-// On the tiles the prefix is one item per (KV head, query heads, 16 rows), its K and V packed once a
-// layer for all of them, ~0.1 ms a layer where the rows' vector loops took ~1.
+// On the tiles the prefix is one item per (KV head, query heads, 16 rows), its V (and int8 K) packed
+// once a layer for all of them: that step took 145 ms (int8 109), ~1 ms a layer less.
 //
 // The prefix's scores and weights are bf16 products on the tiles, as a prompt's attention computes
 // them (prompt_flash_amx.h); the rows' own positions keep the decode kernel's fp32 arithmetic.
@@ -39,12 +40,14 @@ struct Plan {
 
 // The largest set of rows whose block tables start on one page, and the whole pages all of them share
 // before their last position (each keeps one position of its own at least: its newest token). A
-// cascade when that is >= min_rows rows and >= min_prefix tokens (min_rows <= 0: never). Single decode
-// rows only: `single` is false where the step has runs of one sequence's rows (speculative decoding).
-inline Plan plan(const int64_t* table, const int64_t* lens, int64_t T, int64_t max_pages, int64_t page_size,
-                 bool single, int64_t min_rows, int64_t min_prefix) {
+// cascade when that is >= min_rows rows and >= min_prefix tokens (min_rows <= 0: never), and the
+// attention's items are single rows (no runs of one sequence's rows: speculative decoding).
+inline Plan plan(const tm_attention::Plan& items, const int64_t* table, const int64_t* lens, int64_t T, int64_t max_pages,
+                 int64_t page_size, int64_t min_rows, int64_t min_prefix) {
   Plan p;
-  if (!single || min_rows <= 0 || T < min_rows) return p;
+  if (min_rows <= 0 || T < min_rows) return p;
+  for (int64_t i = 0; i < items.num_items(); ++i)
+    if (items.items[i * tm_attention::kItemFields + 1] != 1) return p;
   // The first page most rows with a full page start on (ties: the earliest in step order).
   int64_t best = -1, best_count = 0;
   std::vector<int64_t> firsts;
@@ -94,10 +97,11 @@ struct Work {
   int64_t Tp = 0, D32 = 0, layers = 0;
   bool rotated = false;  // int8 rows in H's basis: the queries go in rotated, the prefix's outputs come back
 
-  void prepare(const Plan& p, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t num_layers, bool rotated_rows,
-               int threads) {
+  void prepare(const Plan& p, int64_t T, int64_t H, int64_t KVH, int64_t D, tm_kv::CacheFormat format,
+               int64_t num_layers, int threads) {
     const int64_t C = static_cast<int64_t>(p.rows.size());
-    Tp = tm_flash::round_up(p.prefix, 64), D32 = tm_flash::round_up(D, 32), rotated = rotated_rows;
+    Tp = tm_flash::round_up(p.prefix, 64), D32 = tm_flash::round_up(D, 32);
+    rotated = format == tm_kv::kCacheInt8 && tm_kv::rotates(D);
     q.resize(C * H * D), out.resize(C * H * D), prefix_stats.resize(C * H * 2), own_stats.resize(T * H * 2);
     keys.resize(KVH * Tp * D32), values.resize(KVH * Tp * D), key_tiles.resize(KVH * Tp / 16);
     if (layers != num_layers) next.reset(new std::atomic<int64_t>[num_layers]), layers = num_layers;

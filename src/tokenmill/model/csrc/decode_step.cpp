@@ -204,8 +204,7 @@ struct DecodeStack : tm_step::StackBase {
     tm_cascade::Work* cw = nullptr;
     if (cascade.on()) {
       cw = &cascade_work;
-      cw->prepare(cascade, T, nq, nkv, hd, static_cast<int64_t>(layers.size()),
-                  cache_format == tm_kv::kCacheInt8 && tm_kv::rotates(hd), nt);
+      cw->prepare(cascade, T, nq, nkv, hd, cache_format, static_cast<int64_t>(layers.size()), nt);
       args.starts = cascade.starts.data();
       args.stats = cw->own_stats.data();
     }
@@ -269,9 +268,7 @@ struct DecodeStack : tm_step::StackBase {
     if (!Kit::kAmxTiles || cache_format == tm_kv::kCacheF32 || hd % 16 != 0 || tm_step::one_row(T, plan) ||
         !tm_amx::amx_ready())
       return {};
-    bool single = true;
-    for (int64_t i = 0; i < plan.num_items(); ++i) single = single && plan.items[i * tm_attention::kItemFields + 1] == 1;
-    return tm_cascade::plan(table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), T, table.size(1), page_size, single,
+    return tm_cascade::plan(plan, table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), T, table.size(1), page_size,
                             cascade_min_rows, cascade_min_prefix);
   }
 

@@ -65,14 +65,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   // caches, head dims of whole tiles, where the process may run tiles.
   if (cascade_min_rows > 0 && window == 0 && softcap == 0 && format != tm_kv::kCacheF32 && hd % 16 == 0 &&
       nd >= cascade_min_rows && tm_amx::amx_ready()) {
-    bool single = true;
-    for (int64_t i = 0; i < num_items; ++i) single = single && plan.items[i * kItemFields + 1] == 1;
-    const tm_cascade::Plan cp = tm_cascade::plan(table_ptr, lens_ptr, nd, max_pages, page_size, single, cascade_min_rows,
+    const tm_cascade::Plan cp = tm_cascade::plan(plan, table_ptr, lens_ptr, nd, max_pages, page_size, cascade_min_rows,
                                                  cascade_min_prefix);
     if (cp.on()) {
       tm_cascade::Work cw;
-      cw.prepare(cp, nd, num_heads, kv_heads, hd, 1, format == tm_kv::kCacheInt8 && tm_kv::rotates(hd),
-                 at::get_num_threads());
+      cw.prepare(cp, nd, num_heads, kv_heads, hd, format, 1, at::get_num_threads());
       tm_cascade::attend_call(cp, cw, a, plan, fn, format);
       return out;
     }
