@@ -28,7 +28,7 @@ def op_inputs(fmt: str, rows: int, strangers: int, heads: int, kvh: int, hd: int
     """A pool of pages; `rows` sequences on one SHARED-token prefix's pages then 5-60 own tokens, and
     `strangers` on pages of their own; q of one decode row each."""
     g = torch.Generator().manual_seed(seed)
-    pool_pages = 160
+    pool_pages = SHARED // PAGE + 24 * (rows + strangers)  # room for every row's own pages
     cache = KVCacheFormat.named(fmt)
     k_cache, v_cache = (cache.encode(torch.randn(kvh, pool_pages * PAGE, hd, generator=g)) for _ in range(2))
     shared = list(range(SHARED // PAGE))
@@ -75,6 +75,33 @@ def test_the_op_attends_a_shared_prefix_once_to_the_tiles_rounding(fmt, heads, k
     # below either threshold: exactly the kernel's
     assert torch.equal(cpu_attention_kernel.paged_decode_attention(*args, cascade=(21, 256)), plain)
     assert torch.equal(cpu_attention_kernel.paged_decode_attention(*args, cascade=(12, SHARED + PAGE)), plain)
+
+
+@pytest.mark.skipif(not cpu_attention_kernel.available(), reason="needs the CPU attention kernel")
+def test_rows_sharing_less_or_another_prefix_are_left_to_the_kernel():
+    """The cascade takes the rows and prefix that save the most: a row sharing only the prefix's first
+    two pages, and a smaller group under a prefix of its own, keep the kernel's arithmetic, and the
+    rest still cascade."""
+    q, k_cache, v_cache, table, lens, cache = op_inputs("bf16", 16, 6, 9, 3, 64)
+    table[16, :2] = table[0, :2]  # a row whose first 2 pages are the prefix's (the rest its own)
+    table[18:22, :8] = table[18, :8]  # four rows sharing 8 pages of their own
+    args = (q, k_cache, v_cache, table, lens, PAGE, 0.125)
+    plain = cpu_attention_kernel.paged_decode_attention(*args, cascade=(0, 0))
+    cascade = cpu_attention_kernel.paged_decode_attention(*args, cascade=(12, 256))
+    assert not torch.equal(cascade[:16], plain[:16])
+    assert torch.equal(cascade[16:], plain[16:])
+    torch.testing.assert_close(cascade.double(), op_reference(q, k_cache, v_cache, table, lens, cache, 0.125),
+                               atol=2.5e-2, rtol=2e-2)
+    # alone, the four rows' group cascades at thresholds it meets
+    q, k_cache, v_cache, table, lens, cache = op_inputs("bf16", 0, 22, 9, 3, 64)
+    assert len(set(table[:, 0].tolist())) == 22  # pages of their own
+    table[18:22, :8] = table[18, :8]
+    args = (q, k_cache, v_cache, table, lens, PAGE, 0.125)
+    plain = cpu_attention_kernel.paged_decode_attention(*args, cascade=(0, 0))
+    cascade = cpu_attention_kernel.paged_decode_attention(*args, cascade=(4, 128))
+    assert [r for r in range(22) if not torch.equal(cascade[r], plain[r])] == [18, 19, 20, 21]
+    torch.testing.assert_close(cascade.double(), op_reference(q, k_cache, v_cache, table, lens, cache, 0.125),
+                               atol=2.5e-2, rtol=2e-2)
 
 
 @pytest.fixture(scope="module")

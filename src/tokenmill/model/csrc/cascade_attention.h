@@ -20,6 +20,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <vector>
@@ -38,45 +39,55 @@ struct Plan {
   bool on() const { return prefix > 0; }
 };
 
-// The largest set of rows whose block tables start on one page, and the whole pages all of them share
-// before their last position (each keeps one position of its own at least: its newest token). A
-// cascade when that is >= min_rows rows and >= min_prefix tokens (min_rows <= 0: never), and the
-// attention's items are single rows (no runs of one sequence's rows: speculative decoding).
+// The rows and shared prefix that save the most: among the rows' block tables (each up to the whole
+// pages before its newest token, which stays its own), sorted, the run of adjacent rows whose common
+// pages times their number is largest (the largest rectangle under the adjacent rows' common-prefix
+// lengths). So a row that shares only the first pages of a system prompt, or a second group under
+// another prompt, leaves the rest to cascade. A cascade when that is >= min_rows rows and >=
+// min_prefix tokens (min_rows <= 0: never), and the attention's items are single rows (no runs of
+// one sequence's rows: speculative decoding).
 inline Plan plan(const tm_attention::Plan& items, const int64_t* table, const int64_t* lens, int64_t T, int64_t max_pages,
                  int64_t page_size, int64_t min_rows, int64_t min_prefix) {
   Plan p;
   if (min_rows <= 0 || T < min_rows) return p;
   for (int64_t i = 0; i < items.num_items(); ++i)
     if (items.items[i * tm_attention::kItemFields + 1] != 1) return p;
-  // The first page most rows with a full page start on (ties: the earliest in step order).
-  int64_t best = -1, best_count = 0;
-  std::vector<int64_t> firsts;
-  for (int64_t t = 0; t < T; ++t) firsts.push_back(lens[t] > page_size ? table[t * max_pages] : -1);
-  for (int64_t t = 0; t < T; ++t) {
-    if (firsts[t] < 0) continue;
-    const int64_t count = std::count(firsts.begin() + t, firsts.end(), firsts[t]);
-    if (count > best_count) best = firsts[t], best_count = count;
-    if (best_count * 2 > T) break;
-  }
-  if (best_count < min_rows) return p;
-  int64_t shared = max_pages, lead = -1;
-  for (int64_t t = 0; t < T; ++t) {
-    if (firsts[t] != best) continue;
-    if (lead < 0) lead = t;
-    const int64_t* a = table + lead * max_pages;
-    const int64_t* b = table + t * max_pages;
-    int64_t n = std::min(shared, (lens[t] - 1) / page_size);
+  auto full = [&](int64_t t) { return std::min(max_pages, (lens[t] - 1) / page_size); };  // pages a row may share
+  auto common = [&](int64_t a, int64_t b) {
+    const int64_t n = std::min(full(a), full(b));
     int64_t same = 0;
-    while (same < n && a[same] == b[same]) ++same;
-    shared = same;
+    while (same < n && table[a * max_pages + same] == table[b * max_pages + same]) ++same;
+    return same;
+  };
+  std::vector<int64_t> order;
+  for (int64_t t = 0; t < T; ++t)
+    if (lens[t] > 0 && full(t) > 0) order.push_back(t);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int64_t same = common(a, b), na = full(a), nb = full(b);
+    if (same < na && same < nb) return table[a * max_pages + same] < table[b * max_pages + same];
+    return na < nb || (na == nb && a < b);  // one a prefix of the other: the shorter first
+  });
+  const int64_t n = static_cast<int64_t>(order.size());
+  std::vector<int64_t> lcp(n > 0 ? n - 1 : 0);
+  for (int64_t i = 0; i + 1 < n; ++i) lcp[i] = common(order[i], order[i + 1]);
+  int64_t best = 0, first = 0, count = 0, shared = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t low = max_pages;
+    for (int64_t j = i + 1; j < n && lcp[j - 1] > 0; ++j) {
+      low = std::min(low, lcp[j - 1]);
+      const int64_t rows = j - i + 1;
+      if (rows >= min_rows && low * page_size >= std::max<int64_t>(min_prefix, 1) && rows * low > best)
+        best = rows * low, first = i, count = rows, shared = low;
+    }
   }
-  if (shared * page_size < std::max<int64_t>(min_prefix, 1)) return p;
+  if (best == 0) return p;
   p.prefix = shared * page_size;
-  p.pages = table + lead * max_pages;
+  p.pages = table + order[first] * max_pages;
   p.where.assign(T, -1);
   p.starts.assign(T, 0);
-  for (int64_t t = 0; t < T; ++t)
-    if (firsts[t] == best) p.where[t] = static_cast<int64_t>(p.rows.size()), p.rows.push_back(t), p.starts[t] = p.prefix;
+  p.rows.assign(order.begin() + first, order.begin() + first + count);
+  std::sort(p.rows.begin(), p.rows.end());  // step order
+  for (int64_t c = 0; c < count; ++c) p.where[p.rows[c]] = c, p.starts[p.rows[c]] = p.prefix;
   return p;
 }
 
