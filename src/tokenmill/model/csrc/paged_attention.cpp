@@ -62,9 +62,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const RangeFn fn = pick(chosen, format);
 #if TM_AMX_COMPILES
   // Rows over a shared prefix (cascade_attention.h): not under a window or soft-capping, bf16 / int8
-  // caches, head dims of whole tiles, where the process may run tiles.
+  // caches, head dims the tiles take (multiples of 16 up to 256), where the process may run tiles.
   if (cascade_min_rows > 0 && window == 0 && softcap == 0 && format != tm_kv::kCacheF32 && hd % 16 == 0 &&
-      nd >= cascade_min_rows && tm_amx::amx_ready()) {
+      hd <= 256 && nd >= cascade_min_rows && tm_amx::amx_ready()) {
     const tm_cascade::Plan cp = tm_cascade::plan(plan, table_ptr, lens_ptr, nd, max_pages, page_size, cascade_min_rows,
                                                  cascade_min_prefix);
     if (cp.on()) {
