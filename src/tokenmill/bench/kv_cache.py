@@ -104,6 +104,7 @@ def step_report(dtypes: list[str], streams: int, context: int, repeats: int, thr
     from tokenmill.config import EngineConfig
     from tokenmill.engine.factory import build_engine_core
     from tokenmill.model.cpu_attention_kernel import cascade_thresholds
+    from tokenmill.model.kernels import prompt_flash
     from tokenmill.model.runner import SeqChunk
 
     pages_per_seq = -(-(context + 1) // 16)
@@ -125,8 +126,8 @@ def step_report(dtypes: list[str], streams: int, context: int, repeats: int, thr
         chunks = [SeqChunk([100 + i], context, list(range(prefix)) + list(range(prefix + i * own, prefix + (i + 1) * own)),
                            sample=True) for i in range(streams)]
         runner.execute(chunks)
-        stack = runner.model._decode_stack
-        kinds = {"": None} if not prefix or stack is None else {
+        stack = runner.model._decode_stack  # None: steps op by op; no tiles: nothing to cascade on
+        kinds = {"": None} if not prefix or stack is None or not prompt_flash.available() else {
             " cascade off": (0, 0), " cascade on": cascade_thresholds(runner.kv_caches[0][0].dtype, fused_step=True)}
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for _ in range(repeats):
