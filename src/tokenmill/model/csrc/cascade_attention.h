@@ -16,7 +16,7 @@
 // them (prompt_flash_amx.h); the rows' own positions keep the decode kernel's fp32 arithmetic.
 //
 // Needs paged_attention.h included first. The fused step's phase: decode_phases.h; the op's call
-// (a mixed step's decode rows): attend_call below.
+// (a mixed step's decode rows): begin_call and finish_call below.
 
 #include <ATen/Parallel.h>
 
@@ -45,11 +45,14 @@ struct Plan {
 // lengths). So a row that shares only the first pages of a system prompt, or a second group under
 // another prompt, leaves the rest to cascade. A cascade when that is >= min_rows rows and >=
 // min_prefix tokens (min_rows <= 0: never), and the attention's items are single rows (no runs of
-// one sequence's rows: speculative decoding).
+// one sequence's rows: speculative decoding), over bf16 or int8 rows of a head dim the tiles take,
+// where this process may run them.
 inline Plan plan(const tm_attention::Plan& items, const int64_t* table, const int64_t* lens, int64_t T, int64_t max_pages,
-                 int64_t page_size, int64_t min_rows, int64_t min_prefix) {
+                 int64_t page_size, tm_kv::CacheFormat format, int64_t head_dim, int64_t min_rows, int64_t min_prefix) {
   Plan p;
-  if (min_rows <= 0 || T < min_rows) return p;
+  if (min_rows <= 0 || T < min_rows || format == tm_kv::kCacheF32 || !tm_flash::takes_head_dim(head_dim) ||
+      !tm_amx::amx_ready())
+    return p;
   for (int64_t i = 0; i < items.num_items(); ++i)
     if (items.items[i * tm_attention::kItemFields + 1] != 1) return p;
   auto full = [&](int64_t t) { return std::min(max_pages, (lens[t] - 1) / page_size); };  // pages a row may share
@@ -174,12 +177,11 @@ inline void merge_row(const Plan& p, Work& w, float* attn, int64_t t, int64_t H,
   }
 }
 
-// Cascade attention as one op call (csrc/paged_attention.cpp: a mixed step's decode rows) over `args`
-// (the rows' items planned as usual, its caches set; its starts and stats set here): the prefix's
-// tiles and the rows' queries, the rows' own items, the prefix's items, the merge, each an
-// at::parallel_for.
-inline void attend_call(const Plan& p, Work& cw, tm_attention::Args& args, const tm_attention::Plan& plan,
-                        tm_attention::RangeFn fn, tm_kv::CacheFormat format) {
+// Cascade attention in the decode attention op (csrc/paged_attention.cpp: a mixed step's decode
+// rows), around the op's own pass over its items. begin: sets `args`' starts and stats, packs the
+// prefix's tiles and rounds the rows' queries. finish, after the items: the prefix's items on the
+// tiles, then the merge. Each part an at::parallel_for.
+inline tm_flash::Problem begin_call(const Plan& p, Work& cw, tm_attention::Args& args, tm_kv::CacheFormat format) {
   const int64_t H = args.num_heads, KVH = args.kv_heads, D = args.hd, C = static_cast<int64_t>(p.rows.size());
   args.starts = p.starts.data();
   args.stats = cw.own_stats.data();
@@ -192,18 +194,17 @@ inline void attend_call(const Plan& p, Work& cw, tm_attention::Args& args, const
       else tm_flash::pack_values(pr, g, cw.Tp, cw.values.data() + g * cw.Tp * D);
     }
   });
-  at::parallel_for(0, plan.num_items(), 1, [&](int64_t b, int64_t e) {
-    std::vector<float> scores(static_cast<size_t>(plan.scores_size)), acc(static_cast<size_t>(args.group * D));
-    fn(args, b, e, scores.data(), acc.data());
-  });
-  const int threads = static_cast<int>(cw.scratch.size());
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+  return pr;
+}
+
+inline void finish_call(const Plan& p, Work& cw, const tm_attention::Args& args, const tm_flash::Problem& pr) {
+  at::parallel_for(0, static_cast<int64_t>(cw.scratch.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t)
       tm_flash::run_items(pr, cw.next[0], cw.key_tiles.data(), tm_flash::key_layout(pr), cw.values.data(), cw.Tp, cw.D32,
                           *cw.scratch[t]);
   });
   at::parallel_for(0, static_cast<int64_t>(p.where.size()), 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) merge_row(p, cw, args.out, t, H, D);
+    for (int64_t t = b; t < e; ++t) merge_row(p, cw, args.out, t, args.num_heads, args.hd);
   });
 }
 

@@ -246,14 +246,20 @@ inline void rope_store_phase(const StackBase& st, Scratch& s, const float* cos, 
   w.sync();
 }
 
-// The thread's share of the attention items (the split at::parallel_for makes: contiguous chunks of
-// ceil(n / team) items), the merge of split runs by one thread, then the rows rounded for o.
-template <class Kit>
-inline void attention_phase(const StackBase& st, Scratch& s, const tm_attention::Args& la,
-                            tm_attention::RangeFn attend, const tm_attention::Plan& plan, Worker& w) {
+// The thread's share of the attention items: the split at::parallel_for makes, contiguous chunks of
+// ceil(n / team) items.
+inline void attend_share(const tm_attention::Args& la, tm_attention::RangeFn attend, const tm_attention::Plan& plan,
+                         Worker& w) {
   const int64_t num_items = plan.num_items(), chunk = (num_items + w.team - 1) / w.team;
   const int64_t i0 = std::min(num_items, w.tid * chunk), i1 = std::min(num_items, i0 + chunk);
   if (i0 < i1) attend(la, i0, i1, w.scores.data(), w.acc.data());
+}
+
+// The thread's share of the items, the merge of split runs by one thread, then the rows rounded for o.
+template <class Kit>
+inline void attention_phase(const StackBase& st, Scratch& s, const tm_attention::Args& la,
+                            tm_attention::RangeFn attend, const tm_attention::Plan& plan, Worker& w) {
+  attend_share(la, attend, plan, w);
   w.sync();
   if (plan.partial_size > 0) {
     if (w.sync.barrier->kind == kOmp) {
@@ -289,9 +295,7 @@ inline void cascade_attention_phase(const StackBase& st, Scratch& s, const tm_at
   share(C, w.tid, w.team, c0, c1);
   tm_cascade::round_queries(p, cw, s.q, st.nq, st.hd, c0, c1);
   w.sync();
-  const int64_t num_items = plan.num_items(), chunk = (num_items + w.team - 1) / w.team;
-  const int64_t i0 = std::min(num_items, w.tid * chunk), i1 = std::min(num_items, i0 + chunk);
-  if (i0 < i1) attend(la, i0, i1, w.scores.data(), w.acc.data());
+  attend_share(la, attend, plan, w);
   tm_flash::run_items(pr, next, cw.key_tiles.data(), tm_flash::key_layout(pr), cw.values.data(), cw.Tp, cw.D32,
                       *cw.scratch[w.tid]);
   w.sync();

@@ -260,16 +260,14 @@ struct DecodeStack : tm_step::StackBase {
     return out;
   }
 
-  // Which rows share a prefix to attend once on the tiles (none: the kit has no tiles, the CPU cannot run
-  // them, the cache is fp32, the head dim is not a multiple of 16, or the step is one row).
+  // Which rows share a prefix to attend once on the tiles (none where the kit has no tiles or the step
+  // is one row; tm_cascade::plan says the rest).
   template <class Kit>
   tm_cascade::Plan cascade_plan(const tm_attention::Plan& plan, const at::Tensor& table, const at::Tensor& lens,
                                 int64_t T, int64_t page_size) const {
-    if (!Kit::kAmxTiles || cache_format == tm_kv::kCacheF32 || hd % 16 != 0 || tm_step::one_row(T, plan) ||
-        !tm_amx::amx_ready())
-      return {};
+    if (!Kit::kAmxTiles || tm_step::one_row(T, plan)) return {};
     return tm_cascade::plan(plan, table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), T, table.size(1), page_size,
-                            cascade_min_rows, cascade_min_prefix);
+                            cache_format, hd, cascade_min_rows, cascade_min_prefix);
   }
 
   // From how many rows sharing how many prefix tokens a step attends the prefix once on the tiles

@@ -61,18 +61,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 
   const RangeFn fn = pick(chosen, format);
 #if TM_AMX_COMPILES
-  // Rows over a shared prefix (cascade_attention.h): not under a window or soft-capping, bf16 / int8
-  // caches, head dims the tiles take (multiples of 16 up to 256), where the process may run tiles.
-  if (cascade_min_rows > 0 && window == 0 && softcap == 0 && format != tm_kv::kCacheF32 && hd % 16 == 0 &&
-      hd <= 256 && nd >= cascade_min_rows && tm_amx::amx_ready()) {
-    const tm_cascade::Plan cp = tm_cascade::plan(plan, table_ptr, lens_ptr, nd, max_pages, page_size, cascade_min_rows,
-                                                 cascade_min_prefix);
-    if (cp.on()) {
-      tm_cascade::Work cw;
-      cw.prepare(cp, nd, num_heads, kv_heads, hd, format, 1, at::get_num_threads());
-      tm_cascade::attend_call(cp, cw, a, plan, fn, format);
-      return out;
-    }
+  // Rows over a shared prefix (cascade_attention.h), not under a window or soft-capping: the prefix on
+  // the tiles around the items below. The buffers stay with the calling thread between calls (one a
+  // layer, 30 a step).
+  thread_local tm_cascade::Work cw;
+  const tm_cascade::Plan cp =
+      window == 0 && softcap == 0
+          ? tm_cascade::plan(plan, table_ptr, lens_ptr, nd, max_pages, page_size, format, hd, cascade_min_rows,
+                             cascade_min_prefix)
+          : tm_cascade::Plan{};
+  tm_flash::Problem pr{};
+  if (cp.on()) {
+    cw.prepare(cp, nd, num_heads, kv_heads, hd, format, 1, at::get_num_threads());
+    pr = tm_cascade::begin_call(cp, cw, a, format);
   }
 #endif
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
@@ -80,6 +81,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     std::vector<float> acc(static_cast<size_t>(group * hd));
     fn(a, begin, end, scores.data(), acc.data());
   });
+#if TM_AMX_COMPILES
+  if (cp.on()) tm_cascade::finish_call(cp, cw, a, pr);
+#endif
   merge_parts(plan, partial.data(), a.out, num_heads, group, hd);
   return out;
 }

@@ -44,7 +44,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(tm_amx::amx_ready(), "this process cannot run AMX-BF16 tiles");
   const int64_t Q = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0);
   const bool int8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(D > 0 && D % 16 == 0 && D <= 256, "head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(tm_flash::takes_head_dim(D), "head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(k_cache.size(2) == tm_kv::row_width(int8 ? tm_kv::kCacheInt8 : tm_kv::kCacheBf16, D),
               "head_dim of q and the caches' rows differ");
   TORCH_CHECK(!unrotate || (int8 && tm_kv::rotates(D)), "unrotate is for int8 rows of a head dim that rotates");

@@ -22,6 +22,9 @@ constexpr int64_t kTileElems = 512;  // bf16 in a 16 x 64-byte tile
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// The head dims the kernel takes: whole rows of 16 dims (a B tile's columns), at most 256 (its scratch).
+inline bool takes_head_dim(int64_t D) { return D > 0 && D % 16 == 0 && D <= 256; }
+
 // One cache's rows of the context, in position order: KV head g's row of position t lies at
 // base + g x head_stride + (pages[t / page_size] x page_size + t % page_size) x slot_stride (bytes).
 struct PagedRows {
