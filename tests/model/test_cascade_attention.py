@@ -104,6 +104,39 @@ def test_rows_sharing_less_or_another_prefix_are_left_to_the_kernel():
                                atol=2.5e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not cpu_attention_kernel.available(), reason="needs the CPU attention kernel")
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_each_system_prompts_rows_cascade_over_their_own_prefix(fmt):
+    """Rows under three prefixes (two of them sharing their first pages) and rows on pages of their own:
+    each group at the thresholds attends its own prefix once, a group under them keeps the kernel's
+    arithmetic, and every row agrees with the float64 reference."""
+    q, k_cache, v_cache, table, lens, cache = op_inputs(fmt, 0, 40, 9, 3, 64)
+    assert len(set(table[:, 0].tolist())) == 40  # pages of their own
+    table[0:13, :20] = table[0, :20]  # 13 rows under one 20-page prefix
+    table[13:25, :16] = table[13, :16]  # 12 rows under another, 16 pages
+    table[25:33, :16] = table[13, :16]  # 8 more under its first 16 pages, then pages of their own
+    table[25:33, 16:20] = table[25, 16:20]
+    table[33:37, :20] = table[33, :20]  # 4 rows: below the rows threshold
+    args = (q, k_cache, v_cache, table, lens, PAGE, 0.125)
+    plain = cpu_attention_kernel.paged_decode_attention(*args, cascade=(0, 0))
+    cascade = cpu_attention_kernel.paged_decode_attention(*args, cascade=(8, 256))
+    changed = [r for r in range(40) if not torch.equal(cascade[r], plain[r])]
+    assert changed == list(range(33))
+    torch.testing.assert_close(cascade.double(), op_reference(q, k_cache, v_cache, table, lens, cache, 0.125),
+                               atol=2.5e-2, rtol=2e-2)
+    # more groups than a step takes: the groups past the limit keep the kernel's arithmetic
+    q, k_cache, v_cache, table, lens, cache = op_inputs(fmt, 0, 40, 9, 3, 64)
+    for g in range(10):
+        table[4 * g:4 * g + 4, :16] = table[4 * g, :16]
+    args = (q, k_cache, v_cache, table, lens, PAGE, 0.125)
+    plain = cpu_attention_kernel.paged_decode_attention(*args, cascade=(0, 0))
+    cascade = cpu_attention_kernel.paged_decode_attention(*args, cascade=(4, 256))
+    changed = [r for r in range(40) if not torch.equal(cascade[r], plain[r])]
+    assert len(changed) == 32 and all(set(range(4 * (r // 4), 4 * (r // 4) + 4)) <= set(changed) for r in changed)
+    torch.testing.assert_close(cascade.double(), op_reference(q, k_cache, v_cache, table, lens, cache, 0.125),
+                               atol=2.5e-2, rtol=2e-2)
+
+
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cascade")
@@ -111,8 +144,8 @@ def model_file(tmp_path_factory):
     return str(write_tiny_gguf(folder, tmp / "tiny.gguf", quant="Q4_1"))
 
 
-def runner_for(model_file: str, kv_dtype: torch.dtype) -> ModelRunner:
-    config = EngineConfig(model=model_file, precision="fast", num_threads=2, kv_cache_tokens=2048)
+def runner_for(model_file: str, kv_dtype: torch.dtype, tokens: int = 2048) -> ModelRunner:
+    config = EngineConfig(model=model_file, precision="fast", num_threads=2, kv_cache_tokens=tokens)
     runner = build_engine_core(config).runner
     return ModelRunner(runner.model, runner.num_pages, runner.page_size, kv_dtype)
 
@@ -121,19 +154,21 @@ def ids(n: int, seed: int) -> list[int]:
     return [int(i) for i in torch.randint(100, 250, (n,), generator=torch.Generator().manual_seed(seed))]
 
 
-def decode_rows(runner: ModelRunner, rows: int, strangers: int = 0) -> list[SeqChunk]:
-    """`rows` sequences after one SHARED-token prefix (its pages computed once, as the prefix cache
-    shares them), 9-40 own tokens each, then `strangers` sequences with prefixes of their own; one
-    decode row each."""
+def decode_rows(runner: ModelRunner, rows: int, strangers: int = 0, prefixes: int = 1) -> list[SeqChunk]:
+    """`rows` sequences after `prefixes` SHARED-token prefixes (rows dealt out in turn; each prefix's
+    pages computed once, as the prefix cache shares them), 9-40 own tokens each, then `strangers`
+    sequences with prefixes of their own; one decode row each."""
     assert runner.page_size == PAGE
-    shared_pages = list(range(SHARED // PAGE))
-    runner.execute([SeqChunk(ids(SHARED, 1), 0, shared_pages, sample=False)])
-    free = len(shared_pages)
+    per = SHARED // PAGE
+    shared = [list(range(g * per, (g + 1) * per)) for g in range(prefixes)]
+    for g, pages in enumerate(shared):
+        runner.execute([SeqChunk(ids(SHARED, 1 + g), 0, pages, sample=False)])
+    free = prefixes * per
     chunks = []
     for i in range(rows + strangers):
         own = 9 + (7 * i) % 32
         length = SHARED + own
-        first = shared_pages if i < rows else []
+        first = shared[i % prefixes] if i < rows else []
         more = -(-(length + 1) // PAGE) - len(first)  # room for the decode row's token too
         pages, free = first + list(range(free, free + more)), free + more
         if i < rows:
@@ -182,6 +217,25 @@ def test_rows_over_a_shared_prefix_agree_with_the_step_without_it(model_file, kv
     # rows that do not share the prefix keep the kernel's arithmetic
     if strangers:
         assert torch.equal(cascade[16:], without[16:])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_rows_under_two_system_prompts_cascade_over_each(model_file, kv_dtype, monkeypatch):
+    runner = runner_for(model_file, kv_dtype, 4096)
+    chunks = decode_rows(runner, 24, 2, prefixes=2)
+    without = step(runner, chunks, 0)
+    cascade = step(runner, chunks, 12)
+    monkeypatch.setattr(cpu_attention_kernel, "CASCADE_OP", {kv_dtype: (12, 256)})
+    eager = op_by_op(runner, chunks)
+    for g in range(2):  # each prompt's rows went through the tiles
+        assert not torch.equal(cascade[g:24:2], without[g:24:2])
+    assert torch.equal(cascade[24:], without[24:])
+    scale = eager.abs().max().item()
+    torch.testing.assert_close(cascade, eager, atol=2e-4 * scale, rtol=1e-4)
+    assert (cascade - without).abs().max() < 2e-2 * scale
+    assert torch.equal(cascade.argmax(-1), without.argmax(-1))
+    # 13 rows needed: neither group of 12 cascades
+    assert torch.equal(step(runner, chunks, 13), without)
 
 
 def test_below_the_thresholds_a_step_is_what_it_was(model_file):

@@ -1,7 +1,7 @@
 #pragma once
-// Cascade attention for decode rows that share a prefix (many streams under one system prompt), in
-// the fused decode step and in the decode attention op: the shared pages attended once for all those
-// rows on AMX tiles (prompt_flash_amx.h, every query seeing every key), each row's own positions by
+// Cascade attention for decode rows that share a prefix (many streams under a system prompt; a group
+// of rows under each of up to kMaxGroups prompts), in the fused decode step and in the decode
+// attention op: a group's shared pages attended once for all its rows on AMX tiles (prompt_flash_amx.h, every query seeing every key), each row's own positions by
 // the paged kernel (paged_attention.h, from the prefix's end on), and the two parts merged by their
 // softmax max and sum (flash attention's merge).
 //
@@ -29,24 +29,34 @@
 
 namespace tm_cascade {
 
-// Which rows share which prefix: `prefix` tokens (whole pages, 0: no cascade) on `pages`, shared by
-// `rows` (step order; where[t] = index in rows, or -1), each of which sees its own positions from
-// starts[t] = prefix on.
-struct Plan {
+// At most this many groups a step: each packs its prefix's tiles every layer.
+constexpr int64_t kMaxGroups = 8;
+
+// Rows that share one prefix: `prefix` tokens (whole pages) on `pages`, shared by Plan::rows[first,
+// first + count).
+struct Group {
   int64_t prefix = 0;
   const int64_t* pages = nullptr;
-  std::vector<int64_t> rows, where, starts;
-  bool on() const { return prefix > 0; }
+  int64_t first = 0, count = 0;
 };
 
-// The rows and shared prefix that save the most: among the rows' block tables (each up to the whole
-// pages before its newest token, which stays its own), sorted, the run of adjacent rows whose common
-// pages times their number is largest (the largest rectangle under the adjacent rows' common-prefix
-// lengths). So a row that shares only the first pages of a system prompt, or a second group under
-// another prompt, leaves the rest to cascade. A cascade when that is >= min_rows rows and >=
-// min_prefix tokens (min_rows <= 0: never), and the attention's items are single rows (no runs of
-// one sequence's rows: speculative decoding), over bf16 or int8 rows of a head dim the tiles take,
-// where this process may run them.
+// Which rows share which prefix: `rows` group by group (each group's in step order); where[t] = row
+// t's index in rows, or -1; each row sees its own positions from starts[t] = its group's prefix on.
+struct Plan {
+  std::vector<Group> groups;
+  std::vector<int64_t> rows, where, starts;
+  bool on() const { return !groups.empty(); }
+};
+
+// The groups of rows and shared prefixes that save the most: among the rows' block tables (each up to
+// the whole pages before its newest token, which stays its own), sorted, the run of adjacent rows
+// whose common pages times their number is largest (the largest rectangle under the adjacent rows'
+// common-prefix lengths); then the same among the rows left, up to kMaxGroups groups. So each system
+// prompt's streams cascade over it, and a row that shares only a prompt's first pages is left to the
+// kernel or joins a group over those pages. A group needs >= min_rows rows and >= min_prefix tokens
+// (min_rows <= 0: never), and the attention's items must be single rows (no runs of one sequence's
+// rows: speculative decoding), over bf16 or int8 rows of a head dim the tiles take, where this
+// process may run them.
 inline Plan plan(const tm_attention::Plan& items, const int64_t* table, const int64_t* lens, int64_t T, int64_t max_pages,
                  int64_t page_size, tm_kv::CacheFormat format, int64_t head_dim, int64_t min_rows, int64_t min_prefix) {
   Plan p;
@@ -70,76 +80,120 @@ inline Plan plan(const tm_attention::Plan& items, const int64_t* table, const in
     if (same < na && same < nb) return table[a * max_pages + same] < table[b * max_pages + same];
     return na < nb || (na == nb && a < b);  // one a prefix of the other: the shorter first
   });
-  const int64_t n = static_cast<int64_t>(order.size());
-  std::vector<int64_t> lcp(n > 0 ? n - 1 : 0);
-  for (int64_t i = 0; i + 1 < n; ++i) lcp[i] = common(order[i], order[i + 1]);
-  int64_t best = 0, first = 0, count = 0, shared = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t low = max_pages;
-    for (int64_t j = i + 1; j < n && lcp[j - 1] > 0; ++j) {
-      low = std::min(low, lcp[j - 1]);
-      const int64_t rows = j - i + 1;
-      if (rows >= min_rows && low * page_size >= std::max<int64_t>(min_prefix, 1) && rows * low > best)
-        best = rows * low, first = i, count = rows, shared = low;
+  const int64_t need = std::max<int64_t>(min_prefix, 1);
+  std::vector<int64_t> lcp;
+  while (static_cast<int64_t>(p.groups.size()) < kMaxGroups) {
+    const int64_t n = static_cast<int64_t>(order.size());
+    lcp.assign(n > 0 ? n - 1 : 0, 0);  // the rows taken are gone: neighbours across them compared anew
+    for (int64_t i = 0; i + 1 < n; ++i) lcp[i] = common(order[i], order[i + 1]);
+    int64_t best = 0, first = 0, count = 0, shared = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t low = max_pages;
+      for (int64_t j = i + 1; j < n && lcp[j - 1] > 0; ++j) {
+        low = std::min(low, lcp[j - 1]);
+        const int64_t rows = j - i + 1;
+        if (rows >= min_rows && low * page_size >= need && rows * low > best)
+          best = rows * low, first = i, count = rows, shared = low;
+      }
     }
+    if (best == 0) break;
+    const Group g{shared * page_size, table + order[first] * max_pages, static_cast<int64_t>(p.rows.size()), count};
+    std::vector<int64_t> mine(order.begin() + first, order.begin() + first + count);
+    std::sort(mine.begin(), mine.end());  // step order
+    if (p.groups.empty()) p.where.assign(T, -1), p.starts.assign(T, 0);
+    for (int64_t c = 0; c < count; ++c) {
+      p.where[mine[c]] = g.first + c, p.starts[mine[c]] = g.prefix;
+      p.rows.push_back(mine[c]);
+    }
+    p.groups.push_back(g);
+    order.erase(order.begin() + first, order.begin() + first + count);
   }
-  if (best == 0) return p;
-  p.prefix = shared * page_size;
-  p.pages = table + order[first] * max_pages;
-  p.where.assign(T, -1);
-  p.starts.assign(T, 0);
-  p.rows.assign(order.begin() + first, order.begin() + first + count);
-  std::sort(p.rows.begin(), p.rows.end());  // step order
-  for (int64_t c = 0; c < count; ++c) p.where[p.rows[c]] = c, p.starts[p.rows[c]] = p.prefix;
   return p;
 }
 
 #if TM_AMX_COMPILES
 
+// One group's buffers: its prefix's key tiles and packed values for one layer, and a counter of its
+// tile items per layer.
+struct GroupWork {
+  int64_t Tp = 0;
+  std::vector<uint16_t> keys, values;
+  std::vector<const uint16_t*> key_tiles;  // [KVH][Tp / 16] (tm_flash::key_tiles)
+  std::unique_ptr<std::atomic<int64_t>[]> next;
+};
+
 // A stack's buffers for its cascade steps, kept between steps (sized by prepare): the rows' queries
-// as bf16, the prefix's outputs and stats, the rows' own stats, one layer's prefix key tiles and packed
-// values, a counter of the tile items per layer, and each thread's tile scratch.
+// as bf16, the prefix outputs and stats (rows in Plan::rows order), the rows' own stats, each group's
+// buffers, and each thread's tile scratch.
 struct Work {
   std::vector<uint16_t> q;          // [C, H, D]
   std::vector<float> out;           // [C, H, D]
   std::vector<float> prefix_stats;  // [C, H, 2]: max, sum
   std::vector<float> own_stats;     // [T, H, 2]
-  std::vector<uint16_t> keys, values;
-  std::vector<const uint16_t*> key_tiles;  // [KVH][Tp / 16] (tm_flash::key_tiles)
-  std::unique_ptr<std::atomic<int64_t>[]> next;
+  std::vector<GroupWork> groups;
   std::vector<std::unique_ptr<tm_flash::Scratch>> scratch;
-  int64_t Tp = 0, D32 = 0, layers = 0;
+  int64_t D32 = 0, layers = 0;
   bool rotated = false;  // int8 rows in H's basis: the queries go in rotated, the prefix's outputs come back
 
   void prepare(const Plan& p, int64_t T, int64_t H, int64_t KVH, int64_t D, tm_kv::CacheFormat format,
                int64_t num_layers, int threads) {
     const int64_t C = static_cast<int64_t>(p.rows.size());
-    Tp = tm_flash::round_up(p.prefix, 64), D32 = tm_flash::round_up(D, 32);
+    D32 = tm_flash::round_up(D, 32);
     rotated = format == tm_kv::kCacheInt8 && tm_kv::rotates(D);
     q.resize(C * H * D), out.resize(C * H * D), prefix_stats.resize(C * H * 2), own_stats.resize(T * H * 2);
-    keys.resize(KVH * Tp * D32), values.resize(KVH * Tp * D), key_tiles.resize(KVH * Tp / 16);
-    if (layers != num_layers) next.reset(new std::atomic<int64_t>[num_layers]), layers = num_layers;
-    for (int64_t i = 0; i < layers; ++i) next[i] = 0;
+    if (layers != num_layers) groups.clear(), layers = num_layers;
+    if (groups.size() < p.groups.size()) groups.resize(p.groups.size());
+    for (size_t g = 0; g < p.groups.size(); ++g) {
+      GroupWork& gw = groups[g];
+      gw.Tp = tm_flash::round_up(p.groups[g].prefix, 64);
+      gw.keys.resize(KVH * gw.Tp * D32), gw.values.resize(KVH * gw.Tp * D), gw.key_tiles.resize(KVH * gw.Tp / 16);
+      if (!gw.next) gw.next.reset(new std::atomic<int64_t>[layers]);
+      for (int64_t i = 0; i < layers; ++i) gw.next[i] = 0;
+    }
     if (!scratch.empty() && scratch[0]->acc.size() != static_cast<size_t>(tm_flash::kHeads * D * 16)) scratch.clear();
     while (static_cast<int>(scratch.size()) < threads) scratch.push_back(tm_flash::make_scratch(D, D32));
   }
 };
 
-// The tile call over one layer's caches (a.k, a.v, laid out as `a` says, rows of `format`): the
-// rows' queries against the prefix's rows as stored (rotation handled by the caller, see
-// Work::rotated), every key seen, softmax stats out.
-inline tm_flash::Problem problem(const Plan& p, Work& w, const tm_attention::Args& a, tm_kv::CacheFormat format) {
-  const int64_t elem = format == tm_kv::kCacheInt8 ? 1 : 2;
+// The tile calls over one layer's caches (a.k, a.v, laid out as `a` says, rows of `format`), one a
+// group, into pr[0 .. groups): the group's queries against its prefix's rows as stored (rotation
+// handled by the caller, see Work::rotated), every key seen, softmax stats out.
+inline void problems(const Plan& p, Work& w, const tm_attention::Args& a, tm_kv::CacheFormat format, tm_flash::Problem* pr) {
+  const int64_t elem = format == tm_kv::kCacheInt8 ? 1 : 2, H = a.num_heads, D = a.hd;
   const bool int8 = format == tm_kv::kCacheInt8;
-  tm_flash::PagedRows k{static_cast<const uint8_t*>(a.k), a.head_stride * elem, a.slot_stride * elem, p.pages, a.page_size,
-                        int8, false};
-  tm_flash::PagedRows v = k;
-  v.base = static_cast<const uint8_t*>(a.v);
-  tm_flash::Problem pr{w.q.data(), a.num_heads * a.hd, a.hd, k, v, w.out.data(), false,
-                       static_cast<int64_t>(p.rows.size()), p.prefix, a.num_heads, a.kv_heads, a.hd, a.scale};
-  pr.causal = false;
-  pr.stats = w.prefix_stats.data();
-  return pr;
+  for (size_t i = 0; i < p.groups.size(); ++i) {
+    const Group& g = p.groups[i];
+    tm_flash::PagedRows k{static_cast<const uint8_t*>(a.k), a.head_stride * elem, a.slot_stride * elem, g.pages,
+                          a.page_size, int8, false};
+    tm_flash::PagedRows v = k;
+    v.base = static_cast<const uint8_t*>(a.v);
+    pr[i] = tm_flash::Problem{w.q.data() + g.first * H * D, H * D, D, k, v, w.out.data() + g.first * H * D, false,
+                              g.count, g.prefix, H, a.kv_heads, D, a.scale};
+    pr[i].causal = false;
+    pr[i].stats = w.prefix_stats.data() + g.first * H * 2;
+  }
+}
+
+// Packing unit u of a layer (groups x KV heads x {keys, values}).
+inline int64_t pack_units(const Plan& p, int64_t KVH) { return static_cast<int64_t>(p.groups.size()) * 2 * KVH; }
+
+inline void pack_unit(Work& w, const tm_flash::Problem* pr, int64_t KVH, int64_t u) {
+  const int64_t i = u / (2 * KVH), h = u % (2 * KVH) / 2;
+  GroupWork& gw = w.groups[i];
+  if (u % 2 == 0)
+    tm_flash::key_tiles(pr[i], h, gw.Tp, w.D32, gw.keys.data() + h * gw.Tp * w.D32, gw.key_tiles.data() + h * gw.Tp / 16);
+  else
+    tm_flash::pack_values(pr[i], h, gw.Tp, gw.values.data() + h * gw.Tp * pr[i].D);
+}
+
+// The calling thread's share of every group's tile items of `layer` (taken from each group's counter
+// until none is left).
+inline void run_groups(const Plan& p, Work& w, const tm_flash::Problem* pr, int64_t layer, tm_flash::Scratch& s) {
+  for (size_t i = 0; i < p.groups.size(); ++i) {
+    GroupWork& gw = w.groups[i];
+    tm_flash::run_items(pr[i], gw.next[layer], gw.key_tiles.data(), tm_flash::key_layout(pr[i]), gw.values.data(), gw.Tp,
+                        w.D32, s);
+  }
 }
 
 // Rows [c0, c1) of the cascade's queries (q [T, H, D] fp32) as bf16, rotated first where the rows are.
@@ -178,30 +232,26 @@ inline void merge_row(const Plan& p, Work& w, float* attn, int64_t t, int64_t H,
 }
 
 // Cascade attention in the decode attention op (csrc/paged_attention.cpp: a mixed step's decode
-// rows), around the op's own pass over its items. begin: sets `args`' starts and stats, packs the
-// prefix's tiles and rounds the rows' queries. finish, after the items: the prefix's items on the
-// tiles, then the merge. Each part an at::parallel_for.
-inline tm_flash::Problem begin_call(const Plan& p, Work& cw, tm_attention::Args& args, tm_kv::CacheFormat format) {
+// rows), around the op's own pass over its items. begin: sets `args`' starts and stats, fills pr (one
+// problem a group), packs the prefixes' tiles and rounds the rows' queries. finish, after the items:
+// the prefixes' items on the tiles, then the merge. Each part an at::parallel_for.
+inline void begin_call(const Plan& p, Work& cw, tm_attention::Args& args, tm_kv::CacheFormat format, tm_flash::Problem* pr) {
   const int64_t H = args.num_heads, KVH = args.kv_heads, D = args.hd, C = static_cast<int64_t>(p.rows.size());
   args.starts = p.starts.data();
   args.stats = cw.own_stats.data();
-  const tm_flash::Problem pr = problem(p, cw, args, format);
-  at::parallel_for(0, 2 * KVH + C, 1, [&](int64_t b, int64_t e) {
+  problems(p, cw, args, format, pr);
+  const int64_t units = pack_units(p, KVH);
+  at::parallel_for(0, units + C, 1, [&](int64_t b, int64_t e) {
     for (int64_t u = b; u < e; ++u) {
-      const int64_t g = u / 2;
-      if (u >= 2 * KVH) round_queries(p, cw, args.q, H, D, u - 2 * KVH, u - 2 * KVH + 1);
-      else if (u % 2 == 0) tm_flash::key_tiles(pr, g, cw.Tp, cw.D32, cw.keys.data() + g * cw.Tp * cw.D32, cw.key_tiles.data() + g * cw.Tp / 16);
-      else tm_flash::pack_values(pr, g, cw.Tp, cw.values.data() + g * cw.Tp * D);
+      if (u >= units) round_queries(p, cw, args.q, H, D, u - units, u - units + 1);
+      else pack_unit(cw, pr, KVH, u);
     }
   });
-  return pr;
 }
 
-inline void finish_call(const Plan& p, Work& cw, const tm_attention::Args& args, const tm_flash::Problem& pr) {
+inline void finish_call(const Plan& p, Work& cw, const tm_attention::Args& args, const tm_flash::Problem* pr) {
   at::parallel_for(0, static_cast<int64_t>(cw.scratch.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      tm_flash::run_items(pr, cw.next[0], cw.key_tiles.data(), tm_flash::key_layout(pr), cw.values.data(), cw.Tp, cw.D32,
-                          *cw.scratch[t]);
+    for (int64_t t = b; t < e; ++t) run_groups(p, cw, pr, 0, *cw.scratch[t]);
   });
   at::parallel_for(0, static_cast<int64_t>(p.where.size()), 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) merge_row(p, cw, args.out, t, args.num_heads, args.hd);

@@ -274,30 +274,25 @@ inline void attention_phase(const StackBase& st, Scratch& s, const tm_attention:
 }
 
 #if TM_AMX_COMPILES
-// The attention phase of a cascade step (cascade_attention.h; attention_phase otherwise): the prefix's
-// K / V tiles packed and the rows' queries rounded, shared out; the thread's chunk of the rows' own
-// items, then prefix items taken from `next` until none is left; each thread merges its rows and
-// rounds them for o.
+// The attention phase of a cascade step (cascade_attention.h; attention_phase otherwise): the groups'
+// prefix K / V tiles packed and the rows' queries rounded, shared out; the thread's chunk of the rows'
+// own items, then every group's prefix items taken from the group's counter for `layer` until none is
+// left; each thread merges its rows and rounds them for o.
 template <class Kit>
 inline void cascade_attention_phase(const StackBase& st, Scratch& s, const tm_attention::Args& la,
                                     tm_attention::RangeFn attend, const tm_attention::Plan& plan,
-                                    const tm_cascade::Plan& p, tm_cascade::Work& cw, const tm_flash::Problem& pr,
-                                    std::atomic<int64_t>& next, Worker& w) {
-  const int64_t KVH = st.nkv, C = static_cast<int64_t>(p.rows.size());
-  for (int64_t u = w.tid; u < 2 * KVH; u += w.team) {
-    const int64_t g = u / 2;
-    if (u % 2 == 0)
-      tm_flash::key_tiles(pr, g, cw.Tp, cw.D32, cw.keys.data() + g * cw.Tp * cw.D32, cw.key_tiles.data() + g * cw.Tp / 16);
-    else
-      tm_flash::pack_values(pr, g, cw.Tp, cw.values.data() + g * cw.Tp * st.hd);
-  }
+                                    const tm_cascade::Plan& p, tm_cascade::Work& cw, tm_kv::CacheFormat format,
+                                    int64_t layer, Worker& w) {
+  tm_flash::Problem pr[tm_cascade::kMaxGroups];
+  tm_cascade::problems(p, cw, la, format, pr);
+  const int64_t units = tm_cascade::pack_units(p, st.nkv), C = static_cast<int64_t>(p.rows.size());
+  for (int64_t u = w.tid; u < units; u += w.team) tm_cascade::pack_unit(cw, pr, st.nkv, u);
   int64_t c0, c1;
   share(C, w.tid, w.team, c0, c1);
   tm_cascade::round_queries(p, cw, s.q, st.nq, st.hd, c0, c1);
   w.sync();
   attend_share(la, attend, plan, w);
-  tm_flash::run_items(pr, next, cw.key_tiles.data(), tm_flash::key_layout(pr), cw.values.data(), cw.Tp, cw.D32,
-                      *cw.scratch[w.tid]);
+  tm_cascade::run_groups(p, cw, pr, layer, *cw.scratch[w.tid]);
   w.sync();
   for (int64_t t = w.r0; t < w.r1; ++t) tm_cascade::merge_row(p, cw, s.attn, t, st.nq, st.hd);
   quantize_phase<Kit>(s.attn, st.nq * st.hd, s.a_attn, w);

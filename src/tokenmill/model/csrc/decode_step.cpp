@@ -234,10 +234,9 @@ struct DecodeStack : tm_step::StackBase {
           la.k = l.k_cache;
           la.v = l.v_cache;
 #if TM_AMX_COMPILES
-          if (cw) {
-            const tm_flash::Problem pr = tm_cascade::problem(cascade, *cw, la, cache_format);
-            tm_step::cascade_attention_phase<Kit>(*this, s, la, attend, plan, cascade, *cw, pr, cw->next[i], w);
-          } else
+          if (cw)
+            tm_step::cascade_attention_phase<Kit>(*this, s, la, attend, plan, cascade, *cw, cache_format, i, w);
+          else
 #endif
             tm_step::attention_phase<Kit>(*this, s, la, attend, plan, w);
           tm_step::linear_phase<Kit>(l.o, s.a_attn, T, s.delta, w);

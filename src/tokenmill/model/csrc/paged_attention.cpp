@@ -70,10 +70,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
           ? tm_cascade::plan(plan, table_ptr, lens_ptr, nd, max_pages, page_size, format, hd, cascade_min_rows,
                              cascade_min_prefix)
           : tm_cascade::Plan{};
-  tm_flash::Problem pr{};
+  tm_flash::Problem pr[tm_cascade::kMaxGroups];
   if (cp.on()) {
     cw.prepare(cp, nd, num_heads, kv_heads, hd, format, 1, at::get_num_threads());
-    pr = tm_cascade::begin_call(cp, cw, a, format);
+    tm_cascade::begin_call(cp, cw, a, format, pr);
   }
 #endif
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
