@@ -38,3 +38,12 @@ def test_steps_over_a_shared_prefix_time_cascade_off_and_on(capsys):
     else:
         assert [w[0] for w in timed] == ["bf16"]
     assert all(float(line.split("[")[0].split()[-1]) > 0 for line in out[1:])  # each median, ms
+
+
+def test_steps_under_several_prefixes_say_so(capsys):
+    argv = ["bench", "kv-cache", "--steps", "--dtypes", "int8", "--rows", "4", "--context", "40",
+            "--shared-prefix", "32", "--prompts", "2", "--repeats", "1", "--num-threads", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "(32 of them shared under 2 prefixes)" in out[0]
+    assert all(line.split()[0] == "int8" for line in out[1:])

@@ -11,8 +11,8 @@ consecutive rows (speculative verification and fast mode's prompt chunks).
 
 `--steps` times whole decode steps of the bundled model instead (fast mode, `--rows` streams of
 `--context` cached tokens, caches filled with random rows rather than prefilled), per dtype; with
-`--shared-prefix N` the rows share their first N tokens' pages, timed with cascade attention off and
-on, alternating.
+`--shared-prefix N` the rows share their first N tokens' pages (`--prompts K`: K such prefixes, the rows
+dealt out in turn, as under K system prompts), timed with cascade attention off and on, alternating.
 `--rounding` measures what int8 rows lose on a real model's K/V (the bundled model's cache
 after one held-out prompt): the relative RMS error of a scale per token and head (the format used)
 against a scale per group of 32 values, per layer range, so the choice of granularity is a number.
@@ -96,11 +96,13 @@ def rounding_report(prompt_tokens: int) -> None:
               f"{group_error(rotate(v), hd):9.4f}")
 
 
-def step_report(dtypes: list[str], streams: int, context: int, repeats: int, threads: int, shared: int = 0) -> None:
+def step_report(dtypes: list[str], streams: int, context: int, repeats: int, threads: int, shared: int = 0,
+                prompts: int = 1) -> None:
     """Whole decode steps of the bundled model (fast mode) at `streams` rows of `context` cached tokens
     each: the caches are filled with random rows instead of prefilled (only the time matters here).
-    With `shared`, the rows' first shared // 16 pages are one prefix's, and the steps are timed with
-    cascade attention (csrc/cascade_attention.h) off and at its thresholds, alternating."""
+    With `shared`, the rows' first shared // 16 pages are one of `prompts` prefixes' (row i under
+    prefix i % prompts), and the steps are timed with cascade attention (csrc/cascade_attention.h) off
+    and at its thresholds, alternating."""
     from tokenmill.config import EngineConfig
     from tokenmill.engine.factory import build_engine_core
     from tokenmill.model.cpu_attention_kernel import cascade_thresholds
@@ -110,11 +112,13 @@ def step_report(dtypes: list[str], streams: int, context: int, repeats: int, thr
     pages_per_seq = -(-(context + 1) // 16)
     prefix = min(shared // 16, pages_per_seq - 1)
     own = pages_per_seq - prefix
-    print(f"decode steps, {streams} rows x {context} cached tokens ({prefix * 16} of them shared), bundled model, "
-          f"fast, {threads} threads, load {os.getloadavg()[0]:.2f}; ms per step, median [min-max] of {repeats}")
+    prompts = prompts if prefix else 1
+    under = f" under {prompts} prefixes" if prompts > 1 else ""
+    print(f"decode steps, {streams} rows x {context} cached tokens ({prefix * 16} of them shared{under}), bundled "
+          f"model, fast, {threads} threads, load {os.getloadavg()[0]:.2f}; ms per step, median [min-max] of {repeats}")
     for name in dtypes:
-        core = build_engine_core(EngineConfig(kv_cache_tokens=(prefix + streams * own) * 16, kv_cache_dtype=name,
-                                              num_threads=threads))
+        core = build_engine_core(EngineConfig(kv_cache_tokens=(prompts * prefix + streams * own) * 16,
+                                              kv_cache_dtype=name, num_threads=threads))
         runner = core.runner
         fmt = runner.kv_format
         g = torch.Generator().manual_seed(0)
@@ -123,8 +127,9 @@ def step_report(dtypes: list[str], streams: int, context: int, repeats: int, thr
                 values = torch.randn(cache.shape[0], cache.shape[1], runner.model.config.head_dim, generator=g)
                 cache.copy_(fmt.encode(values))
         runner._zeroed_pages = runner.num_pages  # filled above: nothing left to zero
-        chunks = [SeqChunk([100 + i], context, list(range(prefix)) + list(range(prefix + i * own, prefix + (i + 1) * own)),
-                           sample=True) for i in range(streams)]
+        base = prompts * prefix  # the prefixes' pages, then each row's own
+        chunks = [SeqChunk([100 + i], context, list(range(i % prompts * prefix, (i % prompts + 1) * prefix))
+                           + list(range(base + i * own, base + (i + 1) * own)), sample=True) for i in range(streams)]
         runner.execute(chunks)
         stack = runner.model._decode_stack  # None: steps op by op; no tiles: nothing to cascade on
         kinds = {"": None} if not prefix or stack is None or not prompt_flash.available() else {
@@ -153,6 +158,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", action="store_true", help="whole decode steps of the bundled model at --rows streams")
     p.add_argument("--shared-prefix", type=at_least(0), default=0,
                    help="with --steps: tokens of the context all rows share (whole pages), timed with cascade off and on")
+    p.add_argument("--prompts", type=at_least(1), default=1,
+                   help="with --shared-prefix: that many distinct prefixes, the rows dealt out over them")
 
 
 def add_kv_cache_parser(subparsers: Any) -> None:
@@ -173,7 +180,7 @@ def cmd_kv_cache(a: argparse.Namespace) -> int:
         rounding_report(512)
         return 0
     if a.steps:
-        step_report(dtypes, a.rows, a.context, a.repeats, a.num_threads, a.shared_prefix)
+        step_report(dtypes, a.rows, a.context, a.repeats, a.num_threads, a.shared_prefix, a.prompts)
         return 0
     if not kernel.available():
         print("error: the CPU attention kernel is not available", file=sys.stderr)
