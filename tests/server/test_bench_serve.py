@@ -22,6 +22,15 @@ def test_shared_prefix_is_one_system_prompt_before_each_own_part():
     assert prefixes != {" ".join(p.split()[:20]) for p in make_prompts(4, 30, seed=6, shared_words=20)}
 
 
+def test_several_prefixes_are_dealt_out_in_turn():
+    one = make_prompts(6, 30, seed=5, shared_words=20)
+    three = make_prompts(6, 30, seed=5, shared_words=20, prefixes=3)
+    heads = [" ".join(p.split()[:20]) for p in three]
+    assert len(set(heads)) == 3 and heads[:3] == heads[3:]  # prompt i after prefix i % 3
+    assert heads[0] == " ".join(one[0].split()[:20])  # the first is the one-prefix workload's
+    assert [p.split()[20:] for p in three] == [p.split()[20:] for p in one]
+
+
 def test_percentile_interpolates_like_numpy():
     values = [4.0, 1.0, 3.0, 2.0]
     assert percentile(values, 50) == pytest.approx(2.5)
@@ -41,3 +50,11 @@ def test_summary_counts_errors_and_tokens():
     assert s["output_tokens_per_s"] == pytest.approx(2.5)
     assert s["ttft_p50_s"] == pytest.approx(1.0) and s["itl_p50_s"] == pytest.approx(0.2)
     assert s["mean_prompt_tokens"] == pytest.approx(251)
+
+
+def test_no_prefixes_is_a_usage_error(capsys):
+    from tokenmill.entrypoints.cli import main
+
+    argv = ["bench", "serve", "--url", "http://127.0.0.1:9", "--shared-prefix-words", "10", "--shared-prefixes", "0"]
+    assert main(argv) == 2
+    assert "--shared-prefixes must be >= 1, got 0" in capsys.readouterr().err

@@ -48,6 +48,9 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--shared-prefix-words", type=int, default=0,
                    help="words of a system prompt every request starts with, before its own --prompt-words "
                         "(a prefix cache can share it)")
+    p.add_argument("--shared-prefixes", type=int, default=1,
+                   help="with --shared-prefix-words: that many distinct system prompts, the requests dealt out over "
+                        "them in turn")
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict servers)")
     p.add_argument("--workload-seed", type=int, default=0)
@@ -73,6 +76,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if not levels or min(levels) < 1:
         print("error: concurrency levels must be >= 1", file=sys.stderr)
         return 2
+    if args.shared_prefixes < 1:
+        print(f"error: --shared-prefixes must be >= 1, got {args.shared_prefixes}", file=sys.stderr)
+        return 2
     report = asyncio.run(_run(args, levels))
     if report is None:
         return 1
@@ -88,14 +94,18 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 1 if any(r["errors"] for r in [*report["results"], *peer_results]) else 0
 
 
-def make_prompts(count: int, words: int, seed: int, shared_words: int = 0) -> list[str]:
+def make_prompts(count: int, words: int, seed: int, shared_words: int = 0, prefixes: int = 1) -> list[str]:
+    """`count` prompts of `words` random words; with `shared_words`, each after one of `prefixes`
+    system prompts of that many words (prompt i after prefix i % prefixes)."""
     rng = random.Random(seed)  # fixed sequence across versions: every server sees the same prompts
     own = [" ".join(rng.choice(_WORDS) for _ in range(words)) for _ in range(count)]
     if shared_words <= 0:
         return own
-    # Its own stream, so that the own parts are the same with or without a shared prefix.
-    shared = " ".join(random.Random(f"shared-{seed}").choice(_WORDS) for _ in range(shared_words))
-    return [f"{shared} {text}" for text in own]
+    # Each its own stream, so that the own parts are the same with or without shared prefixes (and the
+    # first prefix the same with one or several).
+    streams = [random.Random(f"shared-{seed}" if j == 0 else f"shared-{seed}-{j}") for j in range(prefixes)]
+    shared = [" ".join(r.choice(_WORDS) for _ in range(shared_words)) for r in streams]
+    return [f"{shared[i % prefixes]} {text}" for i, text in enumerate(own)]
 
 
 @dataclass
@@ -139,7 +149,8 @@ async def _run(args: argparse.Namespace, levels: list[int]) -> dict | None:
         results: list[list[dict]] = [[] for _ in servers]
         for level in levels:
             n = args.requests or max(4, 2 * level)
-            prompts = make_prompts(n, args.prompt_words, args.workload_seed + level, args.shared_prefix_words)
+            prompts = make_prompts(n, args.prompt_words, args.workload_seed + level, args.shared_prefix_words,
+                                   args.shared_prefixes)
             # Level by level, one server right after the other: a change in the machine's load during
             # the run then hits both sides of a ratio alike.
             for server, server_results in zip(servers, results):
@@ -149,7 +160,7 @@ async def _run(args: argparse.Namespace, levels: list[int]) -> dict | None:
     main = servers[0]
     report: dict[str, Any] = {
         "settings": {"url": main.base, "model": main.model, "concurrency": levels, "prompt_words": args.prompt_words,
-                     "shared_prefix_words": args.shared_prefix_words,
+                     "shared_prefix_words": args.shared_prefix_words, "shared_prefixes": args.shared_prefixes,
                      "output_tokens": args.output_tokens, "ignore_eos": not args.no_ignore_eos,
                      "workload_seed": args.workload_seed, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
         "results": results[0],
@@ -269,7 +280,11 @@ def _summarize(level: int, samples: list[Sample], seconds: float) -> dict:
 
 def _print_report(report: dict) -> None:
     s = report["settings"]
-    shared = f" after a shared {s['shared_prefix_words']}-word prefix" if s.get("shared_prefix_words") else ""
+    shared = ""
+    if s.get("shared_prefix_words"):
+        many = s.get("shared_prefixes", 1)
+        shared = (f" after one of {many} shared {s['shared_prefix_words']}-word prefixes" if many > 1
+                  else f" after a shared {s['shared_prefix_words']}-word prefix")
     print(f"{s['url']} model {s['model']}: ~{s['prompt_words']}-word prompts{shared}, {s['output_tokens']} output tokens, "
           f"greedy, ignore_eos {'on' if s['ignore_eos'] else 'off'}")
     _print_table(report["results"])
