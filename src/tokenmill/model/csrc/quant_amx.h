@@ -19,8 +19,8 @@
 // 16 rows of 16 columns x 2 consecutive inputs, 1 kB), a chunk of blocks and a span of the inputs at
 // a time so that it stays in L2 while every 16-row tile of the step runs over it (blocks_of). Formats
 // with two sub-blocks a group (Q2_K, Q6_K) take each half as a unit of 16 inputs with its own scale;
-// Q3_K folds its sub-block scales into B (kFolds). Two sets of tiles alternate between units, so that
-// a unit's sums are stored while the next one's multiply.
+// Q3_K folds its sub-block scales into B (kFolds). The tiles run two row tiles x two column blocks at
+// a time (tile_pair), so that each A and B tile loaded serves two products.
 // Linux hands a process the tile registers only when asked (arch_prctl): amx_ready() (amx_tiles.h) asks once.
 
 #include <ATen/Parallel.h>
@@ -45,8 +45,10 @@ using tm_vnni::Weights;
 
 #if TM_AMX_COMPILES
 
-// Tiles 0-3 and 4-7: two sets of (sums C, A hi, A lo, B) for units of W inputs (32, or 16 for the
-// formats with two sub-blocks a group).
+// The tile layout for units of W inputs (32, or 16 for the formats with two sub-blocks a group).
+// W = 32 (tile_pair): tiles 0-3 the sums C of two row tiles x two column blocks (C[2 i + j]: row tile
+// i, block j), 4-5 the row tiles' A (hi, then lo), 6-7 the blocks' B. W = 16 (tile_block): tiles 0-3
+// and 4-7 two sets of (sums C, A hi, A lo, B).
 // (A static object: GCC's `_tile_loadconfig` tells the compiler it reads 8 bytes, so stores to a
 // local configuration past those may be dropped as dead; they happened not to be here, and did in
 // prompt_flash_amx.h.)
@@ -55,11 +57,10 @@ TA_TARGET TA_INLINE void configure() {
   static const TileConfig config = [] {
     TileConfig c{};
     c.palette_id = 1;
-    for (int s = 0; s < 2; ++s) {
-      c.rows[4 * s + 0] = 16, c.colsb[4 * s + 0] = 64;     // C: 16 rows x 16 fp32
-      c.rows[4 * s + 1] = 16, c.colsb[4 * s + 1] = 2 * W;  // A hi: 16 rows x W bf16
-      c.rows[4 * s + 2] = 16, c.colsb[4 * s + 2] = 2 * W;  // A lo
-      c.rows[4 * s + 3] = W / 2, c.colsb[4 * s + 3] = 64;  // B: W / 2 pairs of inputs x 16 columns
+    for (int t = 0; t < 8; ++t) {
+      const int role = W == 32 ? (t < 4 ? 0 : t < 6 ? 1 : 3) : t % 4;  // C, A hi, A lo, B
+      c.rows[t] = role == 3 ? W / 2 : 16;  // B: W / 2 pairs of inputs x 16 columns
+      c.colsb[t] = role == 1 || role == 2 ? 2 * W : 64;  // A: 16 rows x W bf16; C: 16 fp32
     }
     return c;
   }();
@@ -150,6 +151,24 @@ TA_TARGET TA_INLINE void scale_unit(__m512 (&acc)[kTileRows], const float* c, co
   }
 }
 
+// The same with the 16 rows' accumulators in memory (acc and c: [16][16] fp32).
+template <bool HasMin>
+TA_TARGET TA_INLINE void scale_unit(float* acc, const float* c, const float* sc, const float* mn, const float* sums,
+                                    int64_t sum_stride) {
+  const __m512 s = _mm512_loadu_ps(sc);
+  if constexpr (HasMin) {
+    const __m512 m = _mm512_loadu_ps(mn);
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r)
+      _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * sum_stride]),
+                                                    _mm512_fmadd_ps(_mm512_load_ps(c + 16 * r), s, _mm512_load_ps(acc + 16 * r))));
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r)
+      _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_load_ps(c + 16 * r), s, _mm512_load_ps(acc + 16 * r)));
+  }
+}
+
 // A run of Run units' products into one set of tiles (sums C, A hi, A lo, B: literal tile numbers,
 // which the instructions encode), from unit U0 on: C holds their sum.
 #define TA_RUN_MULTIPLY(C, AH, AL, B, U0)                     \
@@ -170,7 +189,9 @@ TA_TARGET TA_INLINE void scale_unit(__m512 (&acc)[kTileRows], const float* c, co
 // One 16-row tile (rows m0.., all 16 in x's padding) x one column block over units u0.. (a span of
 // the inputs): the rows' sums in y (only its `rows` real ones), or added to it (`add`). b, sc, mn:
 // the span's decode_block output, sc / mn one record a run of Run units (1; a super-block's 8 groups
-// where the decoder folds its sub-block scales into B).
+// where the decoder folds its sub-block scales into B). Units of 16 inputs (Q2_K, Q6_K) run here:
+// their sums are stored and scaled twice as often as 32's, and two tiles of accumulators in memory
+// (tile_pair) made Q6_K's 512-row tiles ~9 % slower, where these are in registers.
 template <int W, bool HasMin, int Run>
 TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t u0, int64_t units, const uint16_t* b,
                           const float* sc, const float* mn, float* y, int64_t ldy, bool add) {
@@ -213,6 +234,78 @@ TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t 
 #undef TA_SET1
 #undef TA_RUN_MULTIPLY
 
+// Two 16-row tiles (rows m0.. and m0 + 16..; all in x's padding) x two column blocks over units u0.. (a
+// span of the inputs), 2 x 2 tiles of sums a run of units: each A and B tile loaded once serves two
+// products, where one tile a time loaded three tiles for two (the tile loads from L2 were the bound:
+// docs/benchmarks.md, "The kernel's prompt tiles two by two"). rows[i]: tile i's real rows (0: no
+// second tile, the first one's rows multiplied again and dropped); b[j], sc[j], mn[j]: block j's
+// decode_block output (b[1] null: no second block, likewise), y[j]: its first row's sums in y, written
+// or (`add`) added to. Per unit and tile the arithmetic is the one-tile kernel's, in the same order.
+template <int W, bool HasMin, int Run>
+TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2], int64_t u0, int64_t units,
+                         const uint16_t* const (&b)[2], const float* const (&sc)[2], const float* const (&mn)[2],
+                         float* const (&y)[2], int64_t ldy, bool add) {
+  alignas(64) float c[4][kTileRows * kCols];
+  alignas(64) float acc[4][kTileRows * kCols];
+  const int64_t rt = rows[1] > 0 ? 2 : 1, bt = b[1] != nullptr ? 2 : 1;
+  for (int t = 0; t < 4; ++t) {
+    const int64_t i = t / 2, j = t % 2;
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      const bool real = i < rt && j < bt && r < rows[i] && add;
+      _mm512_store_ps(acc[t] + 16 * r, real ? _mm512_loadu_ps(y[j] + (16 * i + r) * ldy) : _mm512_setzero_ps());
+    }
+  }
+  const int64_t K = a.K, stride = K * 2, m1 = rt == 2 ? m0 + kTileRows : m0;
+  const uint16_t* hi0 = a.hi + m0 * K + u0 * W;
+  const uint16_t* hi1 = a.hi + m1 * K + u0 * W;
+  const uint16_t* lo0 = a.lo + m0 * K + u0 * W;
+  const uint16_t* lo1 = a.lo + m1 * K + u0 * W;
+  const int64_t sum_stride = K / W;
+  const float* sums0 = (W == 16 ? a.sum16 : a.sum32) + m0 * sum_stride + u0;
+  const float* sums1 = (W == 16 ? a.sum16 : a.sum32) + m1 * sum_stride + u0;
+  constexpr int64_t kUnitB = W * 16;  // bf16 values of B a unit
+  const uint16_t* b0 = b[0];
+  const uint16_t* b1 = bt == 2 ? b[1] : b[0];
+  const float* sc1 = bt == 2 ? sc[1] : sc[0];
+  const float* mn1 = bt == 2 ? mn[1] : mn[0];
+  for (int64_t r = 0; r < units / Run; ++r) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int i = 0; i < Run; ++i) {
+      const int64_t uu = r * Run + i;
+      _tile_loadd(6, b0 + uu * kUnitB, 64);
+      _tile_loadd(4, hi0 + uu * W, stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b1 + uu * kUnitB, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, hi1 + uu * W, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_loadd(4, lo0 + uu * W, stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, lo1 + uu * W, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    scale_unit<HasMin>(acc[0], c[0], sc[0] + r * kCols, mn[0] + r * kCols, sums0 + r, sum_stride);
+    if (bt == 2) scale_unit<HasMin>(acc[1], c[1], sc1 + r * kCols, mn1 + r * kCols, sums0 + r, sum_stride);
+    if (rt == 2) {
+      scale_unit<HasMin>(acc[2], c[2], sc[0] + r * kCols, mn[0] + r * kCols, sums1 + r, sum_stride);
+      if (bt == 2) scale_unit<HasMin>(acc[3], c[3], sc1 + r * kCols, mn1 + r * kCols, sums1 + r, sum_stride);
+    }
+  }
+  for (int64_t i = 0; i < rt; ++i)
+    for (int64_t j = 0; j < bt; ++j)
+      for (int64_t r = 0; r < rows[i]; ++r) _mm512_storeu_ps(y[j] + (16 * i + r) * ldy, _mm512_load_ps(acc[2 * i + j] + 16 * r));
+}
+
 // The step runs in pieces of kSpanGroups groups of inputs (1,024) x as many column blocks as fit
 // kChunkBytes of decoded B, each piece over all of the rows, its sums added to the earlier pieces':
 // every piece streams its span of the rows' split activations (512 rows: 2 MB), so a wide K (8B
@@ -246,14 +339,31 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
         float* s = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
         decode_block<D>(w, nb, g0, g1, bbuf.data() + (nb - c0) * span * 512, s, s + span_units * kCols);
       }
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-        const int64_t rows = std::min(kTileRows, M - m0);
-        for (int64_t nb = c0; nb < c1; ++nb) {
-          const uint16_t* b = bbuf.data() + (nb - c0) * span * 512;
-          const float* s = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
-          float* yt = y + m0 * ldy + nb * kCols;
-          if (has_min) tile_block<W, true, Run>(a, m0, rows, u0, units, b, s, s + span_units * kCols, yt, ldy, g0 > 0);
-          else tile_block<W, false, Run>(a, m0, rows, u0, units, b, s, s + span_units * kCols, yt, ldy, g0 > 0);
+      if constexpr (W == 16) {
+        for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+          const int64_t rows = std::min(kTileRows, M - m0);
+          for (int64_t nb = c0; nb < c1; ++nb) {
+            const uint16_t* b = bbuf.data() + (nb - c0) * span * 512;
+            const float* s = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
+            float* yt = y + m0 * ldy + nb * kCols;
+            if (has_min) tile_block<W, true, Run>(a, m0, rows, u0, units, b, s, s + span_units * kCols, yt, ldy, g0 > 0);
+            else tile_block<W, false, Run>(a, m0, rows, u0, units, b, s, s + span_units * kCols, yt, ldy, g0 > 0);
+          }
+        }
+      } else {
+        for (int64_t m0 = 0; m0 < M; m0 += 2 * kTileRows) {
+          const int64_t rows[2] = {std::min(kTileRows, M - m0), std::clamp<int64_t>(M - m0 - kTileRows, 0, kTileRows)};
+          for (int64_t nb = c0; nb < c1; nb += 2) {
+            const bool two = nb + 1 < c1;
+            const float* s0 = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
+            const float* s1 = two ? s0 + 2 * span_units * kCols : nullptr;
+            const uint16_t* const b[2] = {bbuf.data() + (nb - c0) * span * 512, two ? bbuf.data() + (nb + 1 - c0) * span * 512 : nullptr};
+            const float* const sc[2] = {s0, s1};
+            const float* const mn[2] = {s0 + span_units * kCols, two ? s1 + span_units * kCols : nullptr};
+            float* const yt[2] = {y + m0 * ldy + nb * kCols, y + m0 * ldy + (nb + 1) * kCols};
+            if (has_min) tile_pair<W, true, Run>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
+            else tile_pair<W, false, Run>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
+          }
         }
       }
     }
