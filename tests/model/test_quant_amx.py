@@ -1,8 +1,8 @@
 """The AMX-BF16 tiles for steps of many rows (csrc/quant_amx.h), on random block bytes of every GGUF
 format the blocked kernels read: within the rounding of two bf16 activation terms of a float64
-product, whatever the row count (tiles of 16 with padding, in pairs), column blocks (odd counts), unit count (odd, halves of sub-blocks)
-and threads; the rows from which `linear` takes them; the parts of a fused linear; and the cap that
-turns them off. Skipped where the CPU (or TOKENMILL_CPU_ISA) has no AMX."""
+product, whatever the row count (tiles of 16 with padding, in pairs), column blocks (odd counts), unit
+count (odd, halves of sub-blocks) and threads; the rows from which `linear` takes them; the parts of a
+fused linear; and the cap that turns them off. Skipped where the CPU (or TOKENMILL_CPU_ISA) has no AMX."""
 
 from __future__ import annotations
 
