@@ -235,16 +235,18 @@ TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t 
 #undef TA_RUN_MULTIPLY
 
 // Two 16-row tiles (rows m0.. and m0 + 16..; all in x's padding) x two column blocks over units u0.. (a
-// span of the inputs), 2 x 2 tiles of sums a run of units: each A and B tile loaded once serves two
-// products, where one tile a time loaded three tiles for two (the tile loads from L2 were the bound:
-// docs/benchmarks.md, "The kernel's prompt tiles two by two"). rows[i]: tile i's real rows (0: no
-// second tile, the first one's rows multiplied again and dropped); b[j], sc[j], mn[j]: block j's
-// decode_block output (b[1] null: no second block, likewise), y[j]: its first row's sums in y, written
-// or (`add`) added to. Per unit and tile the arithmetic is the one-tile kernel's, in the same order.
+// span of the inputs), for units of 32 inputs: 2 x 2 tiles of sums a run of units, each A and B tile
+// loaded serving two products where tile_block loads three tiles for two (an emulation of the loop:
+// 34-38 ns a tile and group against 45-50; docs/benchmarks.md, "The quantized kernel's prompt tiles two
+// by two"). rows[i]: tile i's real rows (0: no second tile, the first one's rows multiplied again and
+// dropped); b[j], sc[j], mn[j]: block j's decode_block output (b[1] null: no second block, likewise),
+// y[j]: its first row's sums in y, written or (`add`) added to. Per unit and tile the arithmetic is
+// tile_block's, in the same order: the same sums bit for bit.
 template <int W, bool HasMin, int Run>
 TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2], int64_t u0, int64_t units,
                          const uint16_t* const (&b)[2], const float* const (&sc)[2], const float* const (&mn)[2],
                          float* const (&y)[2], int64_t ldy, bool add) {
+  static_assert(W == 32, "units of 16 inputs run tile_block");
   alignas(64) float c[4][kTileRows * kCols];
   alignas(64) float acc[4][kTileRows * kCols];
   const int64_t rt = rows[1] > 0 ? 2 : 1, bt = b[1] != nullptr ? 2 : 1;
@@ -261,8 +263,8 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
   const uint16_t* lo0 = a.lo + m0 * K + u0 * W;
   const uint16_t* lo1 = a.lo + m1 * K + u0 * W;
   const int64_t sum_stride = K / W;
-  const float* sums0 = (W == 16 ? a.sum16 : a.sum32) + m0 * sum_stride + u0;
-  const float* sums1 = (W == 16 ? a.sum16 : a.sum32) + m1 * sum_stride + u0;
+  const float* sums0 = a.sum32 + m0 * sum_stride + u0;
+  const float* sums1 = a.sum32 + m1 * sum_stride + u0;
   constexpr int64_t kUnitB = W * 16;  // bf16 values of B a unit
   const uint16_t* b0 = b[0];
   const uint16_t* b1 = bt == 2 ? b[1] : b[0];
