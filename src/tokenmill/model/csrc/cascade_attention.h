@@ -1,9 +1,10 @@
 #pragma once
 // Cascade attention for decode rows that share a prefix (many streams under a system prompt; a group
 // of rows under each of up to kMaxGroups prompts), in the fused decode step and in the decode
-// attention op: a group's shared pages attended once for all its rows on AMX tiles (prompt_flash_amx.h, every query seeing every key), each row's own positions by
-// the paged kernel (paged_attention.h, from the prefix's end on), and the two parts merged by their
-// softmax max and sum (flash attention's merge).
+// attention op: a group's shared pages attended once for all its rows on AMX tiles
+// (prompt_flash_amx.h, every query seeing every key), each row's own positions by the paged kernel
+// (paged_attention.h, from the prefix's end on), and the two parts merged by their softmax max and
+// sum (flash attention's merge).
 //
 // Why: at many streams a decode row reads its whole context, and the shared prefix is read by every
 // row. Those pages stay in cache, so the prefix is vector arithmetic done once a row: a 64-row step of
