@@ -49,9 +49,8 @@ def test_tiles_within_two_bf16_terms_of_the_exact_product(kind, rows):
 @pytest.mark.parametrize("super_blocks", [1, 3])
 @pytest.mark.parametrize("kind", ["Q3_K", "Q6_K"])
 def test_super_block_formats_over_odd_counts_of_super_blocks(kind, super_blocks):
-    # Q3_K folds its sub-block scales into the tiles' B and sums a super-block's 8 groups in one tile
-    # (runs of 8 units, alternating tile sets: 1 and 3 runs end on the odd one); Q6_K does not (16
-    # units of 16 inputs a super-block)
+    # Q3_K and Q6_K fold their sub-block scales into the tiles' B (Q6_K's products in two bf16 planes)
+    # and sum a super-block's 8 groups in one tile: runs of 8 units, 1 and 3 of them
     k = 256 * super_blocks
     bw, ref, _ = weight(kind, 32, k, seed=super_blocks)
     ref = torch.as_tensor(ref)

@@ -18,9 +18,9 @@
 // Layout: a block's codes are decoded once per call into AMX's B layout (per group of 32 inputs:
 // 16 rows of 16 columns x 2 consecutive inputs, 1 kB), a chunk of blocks and a span of the inputs at
 // a time so that it stays in L2 while every 16-row tile of the step runs over it (blocks_of). Formats
-// with two sub-blocks a group (Q2_K, Q6_K) take each half as a unit of 16 inputs with its own scale;
-// Q3_K folds its sub-block scales into B (kFolds). The tiles run two row tiles x two column blocks at
-// a time (tile_pair), so that each A and B tile loaded serves two products.
+// with two sub-blocks a group take each half as a unit of 16 inputs with its own scale (Q2_K), or
+// fold the sub-block scales into B (kFolds: Q3_K, Q6_K). Units of 32 inputs run two row tiles x two
+// column blocks at a time (tile_pair), so that each A and B tile loaded serves two products.
 // Linux hands a process the tile registers only when asked (arch_prctl): amx_ready() (amx_tiles.h) asks once.
 
 #include <ATen/Parallel.h>
@@ -67,18 +67,26 @@ TA_TARGET TA_INLINE void configure() {
   _tile_loadconfig(&config);
 }
 
-// Formats whose integer sub-block scales fold into B exactly: Q3_K's (code - 4) x scale is within
-// 4 x 32 = 128, which bf16 holds, so B carries it and a super-block's 8 groups sum in one tile under
-// its one d (one store and scaling per 256 inputs instead of per 16). Q2_K (mins per 16 inputs) and
-// Q4_K / Q5_K / Q6_K (products of 10-12 bits) do not.
+// Formats whose integer sub-block scales fold into B exactly, so that a super-block's 8 groups sum in
+// one tile under its one d (one store and scaling per 256 inputs instead of per 16):
+// - Q3_K's (code - 4) x scale is within 4 x 32 = 128, which bf16 holds;
+// - Q6_K's (code - 32) x int8 scale is an integer of up to 13 bits: exact as two bf16 terms, B in two
+//   planes (kPlanes: hi, then what bf16 left), each activation term times both (four products a
+//   group, as its two units of 16 took). 512-row tiles 11-29 % faster than the units of 16; 64 rows
+//   up to 1.4x slower (two planes decoded a call). Not the units' order of fp32 additions: the
+//   quality bench's KL to exact read the same (4.0e-5).
+// Q2_K (mins per 16 inputs) and Q4_K / Q5_K (products with a min) do not.
 template <class D>
-constexpr bool kFolds = D::kFmt == tm_vnni::kQ3K;
+constexpr bool kFolds = D::kFmt == tm_vnni::kQ3K || D::kFmt == tm_vnni::kQ6K;
+template <class D>
+constexpr int kPlanes = D::kFmt == tm_vnni::kQ6K ? 2 : 1;
 
 // A group's codes minus the offset as bf16 in B's layout: row i holds inputs 2 i, 2 i + 1 of the 16
 // columns (dword c = column c). Quad j (inputs 4 j .. 4 j + 3; byte 4 c + e) gives rows 2 j, 2 j + 1.
-// `sub` (kFolds formats): each half's 16 column scales, multiplied in.
+// `sub` (kFolds formats): each half's 16 column scales, multiplied in; `b_lo` (kPlanes 2): what
+// bf16 left of each product, as a second B.
 template <class D>
-TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m512* sub = nullptr) {
+TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m512* sub = nullptr, uint16_t* b_lo = nullptr) {
   __m512i q[8];
   tm_vnni::pair<D, 0>(p, q[0], q[4]);
   tm_vnni::pair<D, 1>(p, q[1], q[5]);
@@ -104,10 +112,21 @@ TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m
     const __m512i hi8 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
     _mm512_storeu_si512(b + (2 * j) * 32, _mm512_permutex2var_epi32(lo8, even, hi8));
     _mm512_storeu_si512(b + (2 * j + 1) * 32, _mm512_permutex2var_epi32(lo8, odd, hi8));
+    if (b_lo != nullptr) {  // what bf16 left of each value, exact: a second plane
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v[i]));
+        v[i] = _mm512_sub_ps(v[i], _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+      }
+      const __m512i l0 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+      const __m512i l1 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
+      _mm512_storeu_si512(b_lo + (2 * j) * 32, _mm512_permutex2var_epi32(l0, even, l1));
+      _mm512_storeu_si512(b_lo + (2 * j + 1) * 32, _mm512_permutex2var_epi32(l0, odd, l1));
+    }
   }
 }
 
-// Groups g0..g1 of one column block: B tiles (1 kB a group) and scales and mins per run of units
+// Groups g0..g1 of one column block: B tiles (1 kB a group and plane) and scales and mins per run of units
 // ([runs, 16] fp32 each; mins only for formats with them): per unit, or for kFolds formats the
 // super-block's d (its sub-block scales in B). g0 is a whole number of super-blocks for the
 // super-block formats.
@@ -116,11 +135,11 @@ TA_TARGET void decode_block(const Weights& w, int64_t nb, int64_t g0, int64_t g1
   const bool has_min = D::has_min(w);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* codes = w.codes + (nb * w.G + g) * D::kBits * 64;
-    uint16_t* bg = b + (g - g0) * 512;
+    uint16_t* bg = b + (g - g0) * 512 * kPlanes<D>;
     if constexpr (kFolds<D>) {
       const int64_t j = g % tm_vnni::kSuper;
       const __m512 sub[2] = {tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j)), tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j + 1))};
-      decode_group_b<D>(codes, bg, sub);
+      decode_group_b<D>(codes, bg, sub, kPlanes<D> == 2 ? bg + 512 : nullptr);
       if (j == 0) _mm512_storeu_ps(sc + ((g - g0) / tm_vnni::kSuper) * kCols, tm_vnni::load_half16(w.scales + D::at(w, nb, g)));
       continue;
     }
@@ -189,9 +208,9 @@ TA_TARGET TA_INLINE void scale_unit(float* acc, const float* c, const float* sc,
 // One 16-row tile (rows m0.., all 16 in x's padding) x one column block over units u0.. (a span of
 // the inputs): the rows' sums in y (only its `rows` real ones), or added to it (`add`). b, sc, mn:
 // the span's decode_block output, sc / mn one record a run of Run units (1; a super-block's 8 groups
-// where the decoder folds its sub-block scales into B). Units of 16 inputs (Q2_K, Q6_K) run here:
-// their sums are stored and scaled twice as often as 32's, and two tiles of accumulators in memory
-// (tile_pair) made Q6_K's 512-row tiles ~9 % slower, where these are in registers.
+// where the decoder folds its sub-block scales into B). Units of 16 inputs (Q2_K) run here: their
+// sums are stored and scaled twice as often as 32's, and two tiles of accumulators in memory
+// (tile_pair) made Q6_K's 512-row units of 16 ~9 % slower, where these are in registers.
 template <int W, bool HasMin, int Run>
 TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t u0, int64_t units, const uint16_t* b,
                           const float* sc, const float* mn, float* y, int64_t ldy, bool add) {
@@ -240,9 +259,9 @@ TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t 
 // 34-38 ns a tile and group against 45-50; docs/benchmarks.md, "The quantized kernel's prompt tiles two
 // by two"). rows[i]: tile i's real rows (0: no second tile, the first one's rows multiplied again and
 // dropped); b[j], sc[j], mn[j]: block j's decode_block output (b[1] null: no second block, likewise),
-// y[j]: its first row's sums in y, written or (`add`) added to. Per unit and tile the arithmetic is
-// tile_block's, in the same order: the same sums bit for bit.
-template <int W, bool HasMin, int Run>
+// y[j]: its first row's sums in y, written or (`add`) added to. Planes: B's (kPlanes). Per unit and
+// tile the arithmetic is tile_block's, in the same order: the same sums bit for bit (one plane).
+template <int W, bool HasMin, int Run, int Planes>
 TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2], int64_t u0, int64_t units,
                          const uint16_t* const (&b)[2], const float* const (&sc)[2], const float* const (&mn)[2],
                          float* const (&y)[2], int64_t ldy, bool add) {
@@ -265,7 +284,7 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
   const int64_t sum_stride = K / W;
   const float* sums0 = a.sum32 + m0 * sum_stride + u0;
   const float* sums1 = a.sum32 + m1 * sum_stride + u0;
-  constexpr int64_t kUnitB = W * 16;  // bf16 values of B a unit
+  constexpr int64_t kUnitB = W * 16 * Planes;  // bf16 values of B a unit (its planes one after the other)
   const uint16_t* b0 = b[0];
   const uint16_t* b1 = bt == 2 ? b[1] : b[0];
   const float* sc1 = bt == 2 ? sc[1] : sc[0];
@@ -291,6 +310,20 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
       _tile_loadd(5, lo1 + uu * W, stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
+      if constexpr (Planes == 2) {  // B's second plane: A lo x B lo, then A hi x B lo
+        _tile_loadd(6, b0 + uu * kUnitB + W * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(7, b1 + uu * kUnitB + W * 16, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(4, hi0 + uu * W, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, hi1 + uu * W, stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
     }
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
@@ -324,12 +357,12 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
   constexpr int Run = kFolds<D> ? tm_vnni::kSuper : 1;      // units summed in one tile
   constexpr int64_t kUnitsPerGroup = kGroup / W;
   const int64_t span = std::min(w.G, kSpanGroups), span_units = span * kUnitsPerGroup;
-  const int64_t block_bytes = span * 1024 + 2 * span_units * kCols * 4;
+  const int64_t block_bytes = span * 1024 * kPlanes<D> + 2 * span_units * kCols * 4;
   const int64_t most = std::max<int64_t>(1, kChunkBytes / block_bytes), blocks = nb1 - nb0;
   const int64_t chunk = (blocks + (blocks + most - 1) / most - 1) / ((blocks + most - 1) / most);  // even chunks
   thread_local std::vector<uint16_t> bbuf;
   thread_local std::vector<float> sbuf;
-  bbuf.resize(static_cast<size_t>(chunk * span * 512));
+  bbuf.resize(static_cast<size_t>(chunk * span * 512 * kPlanes<D>));
   sbuf.resize(static_cast<size_t>(chunk * 2 * span_units * kCols));
   configure<W>();
   const bool has_min = D::has_min(w);
@@ -339,7 +372,7 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
       const int64_t g1 = std::min(w.G, g0 + span), units = (g1 - g0) * kUnitsPerGroup, u0 = g0 * kUnitsPerGroup;
       for (int64_t nb = c0; nb < c1; ++nb) {
         float* s = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
-        decode_block<D>(w, nb, g0, g1, bbuf.data() + (nb - c0) * span * 512, s, s + span_units * kCols);
+        decode_block<D>(w, nb, g0, g1, bbuf.data() + (nb - c0) * span * 512 * kPlanes<D>, s, s + span_units * kCols);
       }
       if constexpr (W == 16) {
         for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
@@ -359,12 +392,13 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
             const bool two = nb + 1 < c1;
             const float* s0 = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
             const float* s1 = two ? s0 + 2 * span_units * kCols : nullptr;
-            const uint16_t* const b[2] = {bbuf.data() + (nb - c0) * span * 512, two ? bbuf.data() + (nb + 1 - c0) * span * 512 : nullptr};
+            const int64_t bb = span * 512 * kPlanes<D>;  // bf16 values of B a block
+            const uint16_t* const b[2] = {bbuf.data() + (nb - c0) * bb, two ? bbuf.data() + (nb + 1 - c0) * bb : nullptr};
             const float* const sc[2] = {s0, s1};
             const float* const mn[2] = {s0 + span_units * kCols, two ? s1 + span_units * kCols : nullptr};
             float* const yt[2] = {y + m0 * ldy + nb * kCols, y + m0 * ldy + (nb + 1) * kCols};
-            if (has_min) tile_pair<W, true, Run>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
-            else tile_pair<W, false, Run>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
+            if (has_min) tile_pair<W, true, Run, kPlanes<D>>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
+            else tile_pair<W, false, Run, kPlanes<D>>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
           }
         }
       }
