@@ -253,6 +253,31 @@ TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t 
 #undef TA_SET1
 #undef TA_RUN_MULTIPLY
 
+// tile_pair's products (tile numbers are the instructions' immediates): sums 0-3 of A tiles 4, 5 (the
+// two row tiles, rows `stride` bytes apart) x B tiles 6, 7 (the two blocks). TA_MULTIPLY_A loads the
+// A tiles (and the B tiles where B0 / B1 are not null), TA_MULTIPLY_B the B tiles, each load just
+// before the first product that reads it: loading all four first measured 5-12 % slower.
+#define TA_MULTIPLY_A(A0, A1, B0, B1)              \
+  do {                                             \
+    if ((B0) != nullptr) _tile_loadd(6, (B0), 64); \
+    _tile_loadd(4, (A0), stride);                  \
+    _tile_dpbf16ps(0, 4, 6);                       \
+    if ((B1) != nullptr) _tile_loadd(7, (B1), 64); \
+    _tile_dpbf16ps(1, 4, 7);                       \
+    _tile_loadd(5, (A1), stride);                  \
+    _tile_dpbf16ps(2, 5, 6);                       \
+    _tile_dpbf16ps(3, 5, 7);                       \
+  } while (0)
+#define TA_MULTIPLY_B(B0, B1)  \
+  do {                         \
+    _tile_loadd(6, (B0), 64);  \
+    _tile_dpbf16ps(0, 4, 6);   \
+    _tile_dpbf16ps(2, 5, 6);   \
+    _tile_loadd(7, (B1), 64);  \
+    _tile_dpbf16ps(1, 4, 7);   \
+    _tile_dpbf16ps(3, 5, 7);   \
+  } while (0)
+
 // Two 16-row tiles (rows m0.. and m0 + 16..; all in x's padding) x two column blocks over units u0.. (a
 // span of the inputs), for units of 32 inputs: 2 x 2 tiles of sums a run of units, each A and B tile
 // loaded serving two products where tile_block loads three tiles for two (an emulation of the loop:
@@ -296,33 +321,13 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
     _tile_zero(3);
     for (int i = 0; i < Run; ++i) {
       const int64_t uu = r * Run + i;
-      _tile_loadd(6, b0 + uu * kUnitB, 64);
-      _tile_loadd(4, hi0 + uu * W, stride);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, b1 + uu * kUnitB, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, hi1 + uu * W, stride);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-      _tile_loadd(4, lo0 + uu * W, stride);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, lo1 + uu * W, stride);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      const uint16_t* bu0 = b0 + uu * kUnitB;
+      const uint16_t* bu1 = b1 + uu * kUnitB;
+      TA_MULTIPLY_A(hi0 + uu * W, hi1 + uu * W, bu0, bu1);
+      TA_MULTIPLY_A(lo0 + uu * W, lo1 + uu * W, nullptr, nullptr);
       if constexpr (Planes == 2) {  // B's second plane: A lo x B lo, then A hi x B lo
-        _tile_loadd(6, b0 + uu * kUnitB + W * 16, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_loadd(7, b1 + uu * kUnitB + W * 16, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
-        _tile_loadd(4, hi0 + uu * W, stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, hi1 + uu * W, stride);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        TA_MULTIPLY_B(bu0 + W * 16, bu1 + W * 16);
+        TA_MULTIPLY_A(hi0 + uu * W, hi1 + uu * W, nullptr, nullptr);
       }
     }
     _tile_stored(0, c[0], 64);
@@ -340,6 +345,8 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
     for (int64_t j = 0; j < bt; ++j)
       for (int64_t r = 0; r < rows[i]; ++r) _mm512_storeu_ps(y[j] + (16 * i + r) * ldy, _mm512_load_ps(acc[2 * i + j] + 16 * r));
 }
+#undef TA_MULTIPLY_B
+#undef TA_MULTIPLY_A
 
 // The step runs in pieces of kSpanGroups groups of inputs (1,024) x as many column blocks as fit
 // kChunkBytes of decoded B, each piece over all of the rows, its sums added to the earlier pieces':
