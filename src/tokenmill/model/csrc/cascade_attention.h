@@ -137,7 +137,7 @@ struct Work {
   bool rotated = false;  // int8 rows in H's basis: the queries go in rotated, the prefix's outputs come back
 
   void prepare(const Plan& p, int64_t T, int64_t H, int64_t KVH, int64_t D, tm_kv::CacheFormat format,
-               int64_t num_layers, int threads) {
+               int64_t page_size, int64_t num_layers, int threads) {
     const int64_t C = static_cast<int64_t>(p.rows.size());
     D32 = tm_flash::round_up(D, 32);
     rotated = format == tm_kv::kCacheInt8 && tm_kv::rotates(D);
@@ -147,7 +147,9 @@ struct Work {
     for (size_t g = 0; g < p.groups.size(); ++g) {
       GroupWork& gw = groups[g];
       gw.Tp = tm_flash::round_up(p.groups[g].prefix, 64);
-      gw.keys.resize(KVH * gw.Tp * D32), gw.values.resize(KVH * gw.Tp * D), gw.key_tiles.resize(KVH * gw.Tp / 16);
+      // keys read where they lie need no packed copy (up to 8 groups, each the prefix's size)
+      gw.keys.resize(tm_flash::keys_in_place(format == tm_kv::kCacheInt8, page_size, D) ? 0 : KVH * gw.Tp * D32);
+      gw.values.resize(KVH * gw.Tp * D), gw.key_tiles.resize(KVH * gw.Tp / 16);
       if (!gw.next) gw.next.reset(new std::atomic<int64_t>[layers]);
       for (int64_t i = 0; i < layers; ++i) gw.next[i] = 0;
     }
@@ -182,7 +184,8 @@ inline void pack_unit(Work& w, const tm_flash::Problem* pr, int64_t KVH, int64_t
   const int64_t i = u / (2 * KVH), h = u % (2 * KVH) / 2;
   GroupWork& gw = w.groups[i];
   if (u % 2 == 0)
-    tm_flash::key_tiles(pr[i], h, gw.Tp, w.D32, gw.keys.data() + h * gw.Tp * w.D32, gw.key_tiles.data() + h * gw.Tp / 16);
+    tm_flash::key_tiles(pr[i], h, gw.Tp, w.D32, gw.keys.empty() ? nullptr : gw.keys.data() + h * gw.Tp * w.D32,
+                        gw.key_tiles.data() + h * gw.Tp / 16);
   else
     tm_flash::pack_values(pr[i], h, gw.Tp, gw.values.data() + h * gw.Tp * pr[i].D);
 }

@@ -204,7 +204,7 @@ struct DecodeStack : tm_step::StackBase {
     tm_cascade::Work* cw = nullptr;
     if (cascade.on()) {
       cw = &cascade_work;
-      cw->prepare(cascade, T, nq, nkv, hd, cache_format, static_cast<int64_t>(layers.size()), nt);
+      cw->prepare(cascade, T, nq, nkv, hd, cache_format, page_size, static_cast<int64_t>(layers.size()), nt);
       args.starts = cascade.starts.data();
       args.stats = cw->own_stats.data();
     }

@@ -72,7 +72,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
           : tm_cascade::Plan{};
   tm_flash::Problem pr[tm_cascade::kMaxGroups];
   if (cp.on()) {
-    cw.prepare(cp, nd, num_heads, kv_heads, hd, format, 1, at::get_num_threads());
+    cw.prepare(cp, nd, num_heads, kv_heads, hd, format, page_size, 1, at::get_num_threads());
     tm_cascade::begin_call(cp, cw, a, format, pr);
   }
 #endif

@@ -105,9 +105,10 @@ TA_TARGET TA_INLINE void transpose16(__m512i r[16]) {
 // tiles (16 keys), and head dims of whole tiles (32: no dims past a row's end) up to 128. Gemma's
 // 256-dim rows (512 bytes apart) were slower in place: 0.69-0.70 against 0.57-0.66 ms a 512-token
 // prompt packed; at 64 and 128 dims leaving the packing out gained 4-15 %. Else they are packed.
-inline bool keys_in_place(const Problem& pr) {
-  return !pr.k.int8 && pr.k.page_size % 16 == 0 && pr.D % 32 == 0 && pr.D <= 128;
+inline bool keys_in_place(bool int8, int64_t page_size, int64_t D) {
+  return !int8 && page_size % 16 == 0 && D % 32 == 0 && D <= 128;
 }
+inline bool keys_in_place(const Problem& pr) { return keys_in_place(pr.k.int8, pr.k.page_size, pr.D); }
 
 // Where the keys' A tiles of 16 keys x 32 dims lie: tile (kt, j) at tiles[kt] + j x step, its rows
 // `stride` bytes apart. In place: a page's rows (step 32 values, stride a slot); packed: whole tiles

@@ -81,6 +81,17 @@ constexpr bool kFolds = D::kFmt == tm_vnni::kQ3K || D::kFmt == tm_vnni::kQ6K;
 template <class D>
 constexpr int kPlanes = D::kFmt == tm_vnni::kQ6K ? 2 : 1;
 
+// Quad j's values (v[i]: columns 4 i .. 4 i + 3, lane 4 c + e) as bf16 into B's rows 2 j, 2 j + 1: dword
+// 2 c' + h of lo8 / hi8 is column c' (of 0-7 / 8-15), inputs 4 j + 2 h, + 1.
+TA_TARGET TA_INLINE void store_rows(const __m512 (&v)[4], uint16_t* b, int j) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i lo8 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+  const __m512i hi8 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
+  _mm512_storeu_si512(b + (2 * j) * 32, _mm512_permutex2var_epi32(lo8, even, hi8));
+  _mm512_storeu_si512(b + (2 * j + 1) * 32, _mm512_permutex2var_epi32(lo8, odd, hi8));
+}
+
 // A group's codes minus the offset as bf16 in B's layout: row i holds inputs 2 i, 2 i + 1 of the 16
 // columns (dword c = column c). Quad j (inputs 4 j .. 4 j + 3; byte 4 c + e) gives rows 2 j, 2 j + 1.
 // `sub` (kFolds formats): each half's 16 column scales, multiplied in; `b_lo` (kPlanes 2): what
@@ -93,8 +104,6 @@ TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m
   tm_vnni::pair<D, 2>(p, q[2], q[6]);
   tm_vnni::pair<D, 3>(p, q[3], q[7]);
   const __m512i off = _mm512_set1_epi32(D::kOffset);
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   const __m512i lane_col = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
@@ -107,21 +116,14 @@ TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m
       if (sub != nullptr)  // times column 4 i + c's scale of half j / 4 (exact: kFolds)
         v[i] = _mm512_mul_ps(v[i], _mm512_permutexvar_ps(_mm512_add_epi32(lane_col, _mm512_set1_epi32(4 * i)), sub[j / 4]));
     }
-    // dword 2 c' + h of lo8 / hi8: column c' (of 0-7 / 8-15), inputs 4 j + 2 h, + 1
-    const __m512i lo8 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
-    const __m512i hi8 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
-    _mm512_storeu_si512(b + (2 * j) * 32, _mm512_permutex2var_epi32(lo8, even, hi8));
-    _mm512_storeu_si512(b + (2 * j + 1) * 32, _mm512_permutex2var_epi32(lo8, odd, hi8));
+    store_rows(v, b, j);
     if (b_lo != nullptr) {  // what bf16 left of each value, exact: a second plane
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v[i]));
         v[i] = _mm512_sub_ps(v[i], _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
       }
-      const __m512i l0 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
-      const __m512i l1 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
-      _mm512_storeu_si512(b_lo + (2 * j) * 32, _mm512_permutex2var_epi32(l0, even, l1));
-      _mm512_storeu_si512(b_lo + (2 * j + 1) * 32, _mm512_permutex2var_epi32(l0, odd, l1));
+      store_rows(v, b_lo, j);
     }
   }
 }
