@@ -308,6 +308,7 @@ T2_TARGET void tile(const Weights& w, const tm_vnni::Acts& a, int64_t N, int64_t
     constexpr int kAhead = D::kBits == 8 ? 4096 : 2048;
 #pragma GCC unroll 8
     for (int l = 0; l < kBytes / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + kAhead + 64 * l), _MM_HINT_T0);
+    tm_vnni::fetch_far<D>(w, codes, nb, g);
     __m256i q[H][8];
 #pragma GCC unroll 2
     for (int hf = 0; hf < H; ++hf) group_codes<D>(codes + 32 * (H == 2 ? hf : half0), q[hf]);

@@ -8,7 +8,8 @@
 //              column c, input 4 J + e), the bytes vpdpbusd takes;
 //   scales() / mins(): per sub-block of the group (kSubs = 1, or 2 of 16 inputs for Q2_K, Q3_K,
 //              Q6_K), 16 columns' fp32 scale and min (one scale record may cover several groups:
-//              `fmt_scale_groups`, 8 for super-blocks, 2 for Q2_0's blocks of 64, 4 for Q1_0's 128).
+//              `fmt_scale_groups`, 8 for super-blocks, 2 for Q2_0's blocks of 64, 4 for Q1_0's 128);
+//   fetch_records(): those records of a group fetched into L2 ahead of it (fetch_far below).
 // value = scale * (code - kOffset) + min; the kernels subtract kOffset in integers (the dot product
 // starts from -kOffset * sum(x)), so it costs nothing per weight.
 //
@@ -152,6 +153,9 @@ TV_TARGET TV_INLINE __m512 load_u8x16(const uint8_t* p) {
 TV_TARGET TV_INLINE __m512 load_i8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+// One line into L2 (prefetcht1); a prefetch never faults, so addresses past a tensor's end are fine.
+TV_INLINE void fetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
 TV_TARGET TV_INLINE __m512 neg(__m512 v) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))); }
 
 // Scales and mins per group of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), or per block of
@@ -170,6 +174,10 @@ struct Legacy {
   }
   TV_TARGET static TV_INLINE void mins(const Weights& w, int64_t nb, int64_t g, __m512 (&mn)[1]) {
     mn[0] = load_half16(w.mins + at(w, nb, g));
+  }
+  static TV_INLINE void fetch_records(const Weights& w, int64_t nb, int64_t g) {
+    fetch_l2(w.scales + at(w, nb, g));
+    if (w.mins != nullptr) fetch_l2(w.mins + at(w, nb, g));
   }
 };
 
@@ -212,6 +220,12 @@ struct Super {
       }
     }
   }
+  // d, dmin and an eighth of the super-block's sub-scale bytes a group: all of them over its 8 groups.
+  static TV_INLINE void fetch_records(const Weights& w, int64_t nb, int64_t g) {
+    fetch_l2(w.scales + at(w, nb, g));
+    if (w.mins != nullptr) fetch_l2(w.mins + at(w, nb, g));
+    fetch_l2(sub(w, nb, g, 0) + (g % kSuper) * (kSubBytes * kCols / kSuper));
+  }
 };
 
 // MXFP4: 4-bit E2M1 codes through their codebook, one E8M0 exponent byte per group of 32 (in `subs`,
@@ -229,6 +243,7 @@ struct DecMXFP4 {
     sc[0] = _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
   }
   TV_TARGET static TV_INLINE void mins(const Weights&, int64_t, int64_t, __m512 (&mn)[1]) { mn[0] = _mm512_setzero_ps(); }
+  static TV_INLINE void fetch_records(const Weights& w, int64_t nb, int64_t g) { fetch_l2(w.subs + (nb * w.G + g) * kCols); }
 };
 
 using DecQ4 = Legacy<kQ4, 4, 0, false, 1>;
@@ -257,6 +272,23 @@ TV_TARGET TV_INLINE void pair(const uint8_t* p, __m512i& lo, __m512i& hi) {
 }
 
 // Calls f.template operator()<D>() with the decoder of `fmt` (the one switch from format to code).
+// A group's codes and scale records fetched into L2 kFarAhead bytes of codes ahead, on top of the
+// kernels' nearer prefetch into L1 (quant_vnni.h tile). Batch-1 and few-row decode read every weight
+// once a step, so the step runs at the rate the cores pull lines from memory; the L1 prefetch alone
+// keeps too few lines in flight. Measured on the AMX VM of sessions 19-28, 2 threads: a plain read of
+// 170 MB with L1 prefetch 30-33 GB/s, with this too 35-37; `bench latency` tg128 bundled Q4_1 283 /
+// 293 -> 323 / 337 tok/s, Q8_0 mix 199 / 198 -> 229 / 234, Gemma 98 / 100 -> 109 / 113, the MoE
+// 187 / 181 -> 201 / 211 (docs/benchmarks.md, session 28). 8-64 kB ahead measured alike; 8 kB kept.
+constexpr int64_t kFarAhead = 8192;
+
+template <class D>
+TV_INLINE void fetch_far(const Weights& w, const uint8_t* codes, int64_t nb, int64_t g) {
+  constexpr int64_t kBytes = D::kBits * 64;
+#pragma GCC unroll 8
+  for (int64_t l = 0; l < kBytes / 64; ++l) fetch_l2(codes + kFarAhead + 64 * l);
+  D::fetch_records(w, nb, g + kFarAhead / kBytes);
+}
+
 template <class F>
 TV_INLINE void with_decoder(int fmt, F&& f) {
   switch (fmt) {

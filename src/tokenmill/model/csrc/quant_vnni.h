@@ -217,6 +217,7 @@ TV_TARGET void tile(const Weights& w, const Acts& a, int64_t N, int64_t m0, int6
     constexpr int kPrefetchAhead = D::kBits == 8 && R <= 2 ? 4096 : 2048;
 #pragma GCC unroll 8
     for (int l = 0; l < kBytes / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + kPrefetchAhead + l * 64), _MM_HINT_T0);
+    fetch_far<D>(w, codes, nb, g);
     __m512 sc[D::kSubs];
     D::scales(w, nb, g, sc);
     if constexpr (D::kSubs == 2 && R > 2) {
