@@ -82,6 +82,18 @@ def test_walk_enters_tokenmill_objects_and_containers_once():
     assert sorted(t.numel() for t in found) == [2, 3, 4]  # shared once; the foreign object's not entered
 
 
+def test_walk_leaves_objects_filled_on_demand():
+    class Lazy:
+        FILLED_ON_DEMAND = True
+
+    Lazy.__module__ = "tokenmill.fake"
+    root = Holder()
+    root.w = torch.ones(3)
+    root.lazy = Lazy()
+    root.lazy.table = torch.empty(1000)  # untouched: a copy would make it resident
+    assert [t.numel() for t in model_tensors(root)] == [3]
+
+
 def test_move_keeps_values_views_and_bound_calls(thp):
     base = torch.arange(4096, dtype=torch.float32)
     root = Holder()
@@ -158,6 +170,8 @@ def test_engine_outputs_identical_on_huge_pages(tiny_k_quant, thp, monkeypatch):
     # every weight, norm and table of the model in the one region, advised for 2 MB pages
     assert len(tensors) > 20 and all(mapping_of(t.data_ptr()) == region for t in tensors)
     assert "hg" in region[2] and results[-1].nbytes <= region[1] - region[0]
+    rope = moved.runner.model.rope  # filled as positions are reached: left where it was allocated
+    assert all(mapping_of(t.data_ptr()) != region for t in (rope.cos, rope.sin))
     monkeypatch.setenv(huge_pages.DISABLE_ENV, "0")
     in_place = build_engine_core(config)
     assert results[-1] is None

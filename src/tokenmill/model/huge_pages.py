@@ -10,7 +10,9 @@ everywhere ("always"); the kernels' weights are hundreds of allocations of 0.1-1
 torch's THP_MEM_ALLOC_ENABLE (allocations of 2 MB and up) nor glibc's hugetlb tunable covers them.
 
 So once a model is built (builder.py), `move_to_huge_pages` gathers every tensor reachable from it
-(attributes of tokenmill objects, lists, tuples, dicts), maps one anonymous region of their total
+(attributes of tokenmill objects, lists, tuples, dicts; not objects whose class sets
+`FILLED_ON_DEMAND`, whose tensors are allocated untouched and filled as they are used, like the RoPE
+tables: a copy would make all of them resident), maps one anonymous region of their total
 size with MADV_HUGEPAGE, copies each storage into it and points the tensors there with `set_`: the
 tensor objects stay the same, so whatever already holds them (bound kernel calls) reads the new
 memory, and each old storage is freed as soon as its tensors have moved (and handed back to the OS
@@ -36,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 DISABLE_ENV = "TOKENMILL_HUGE_PAGES"
+# A class attribute: True where an object's tensors are allocated untouched (torch.empty) and filled as
+# they are used. The walk leaves such objects where they are: a copy touches every page.
+FILLED_ON_DEMAND = "FILLED_ON_DEMAND"
 # Each storage starts on a cache line (the kernels' aligned 64-byte loads; torch's own alignment).
 _ALIGN = 64
 # The storages left behind are freed heap that glibc keeps: handed back every this many bytes moved,
@@ -73,7 +78,8 @@ def enabled() -> bool:
 
 def model_tensors(root: Any) -> Iterator[torch.Tensor]:
     """Every dense CPU tensor (no grad) reachable from `root` through tokenmill objects' attributes and
-    lists, tuples and dicts, each once. Other objects (functions, torch modules, loggers) are not entered."""
+    lists, tuples and dicts, each once. Other objects (functions, torch modules, loggers) are not entered,
+    nor tokenmill objects whose class sets FILLED_ON_DEMAND."""
     seen: set[int] = set()
     stack = [root]
     while stack:
@@ -88,7 +94,7 @@ def model_tensors(root: Any) -> Iterator[torch.Tensor]:
             stack.extend(obj)
         elif isinstance(obj, dict):
             stack.extend(obj.values())
-        elif (type(obj).__module__ or "").startswith("tokenmill."):
+        elif (type(obj).__module__ or "").startswith("tokenmill.") and not getattr(type(obj), FILLED_ON_DEMAND, False):
             stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
             stack.extend(getattr(obj, name) for cls in type(obj).__mro__
                          for name in getattr(cls, "__slots__", ()) if hasattr(obj, name))

@@ -50,6 +50,9 @@ class RotaryEmbedding:
     """
 
     FILL_POSITIONS = 4096  # positions filled at a time
+    # Left on their 4 kB pages by model/huge_pages.py: moving the tables would make them resident
+    # (Gemma 3 270M's four: 134 MB; the load's growth over its bound, docs/benchmarks.md, session 28).
+    FILLED_ON_DEMAND = True
     # Positions per cos/sin call while filling: 64 x head_dim <= 16,384 floats stays under ATen's
     # grain size (32,768), so each call runs on one thread over whole SIMD vectors. A split across
     # threads can leave a chunk's tail to the scalar libm cos, which may round differently from the
