@@ -30,3 +30,23 @@ def test_prefix_from_disk_gives_the_same_tokens(tmp_path, precision):
     assert again.outputs[0].token_ids == cold
     assert restarted.stats()["kv_disk_hit_pages_total"] == 9 and again.num_cached_tokens == 9 * 16
     restarted.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_pages_written_back_in_one_batch_read_as_they_were_read(tmp_path, dtype):
+    """runner.write_pages puts each payload into its own page (any order, not adjacent) and no other."""
+    folder = str(make_tiny_model(tmp_path, "llama"))
+    llm = LLM(folder, precision="fast", num_threads=1, kv_cache_tokens=1024, kv_cache_dtype=dtype)
+    llm.generate([{"prompt_token_ids": PROMPT}], GREEDY)
+    runner = getattr(llm.engine, "runner", None) or llm.engine.core.runner
+    sources = [0, 3, 5, 8]  # pages the prompt filled
+    payloads = [runner.read_page(p) for p in sources]
+    assert len(set(payloads)) == len(sources)  # distinct contents, so a mix-up would show
+    targets = [40, 21, 33, 22]
+    untouched = {p: runner.read_page(p) for p in (20, 23, 34, 41)}
+    runner.write_pages(targets, payloads)
+    assert [runner.read_page(p) for p in targets] == payloads
+    assert {p: runner.read_page(p) for p in untouched} == untouched
+    with pytest.raises(ValueError, match="pages for"):
+        runner.write_pages(targets[:2], payloads)
+    llm.shutdown()

@@ -89,9 +89,10 @@ class FakeRunner:
         slots = self.slots[page * self.page_size:(page + 1) * self.page_size]
         return torch.tensor([-1 if t is None else t for t in slots], dtype=torch.int64).numpy().tobytes()
 
-    def write_page(self, page: int, payload: bytes) -> None:
-        values = torch.frombuffer(bytearray(payload), dtype=torch.int64).tolist()
-        self.slots[page * self.page_size:(page + 1) * self.page_size] = [None if t < 0 else t for t in values]
+    def write_pages(self, pages: list[int], payloads: list[bytes]) -> None:
+        for page, payload in zip(pages, payloads, strict=True):
+            values = torch.frombuffer(bytearray(payload), dtype=torch.int64).tolist()
+            self.slots[page * self.page_size:(page + 1) * self.page_size] = [None if t < 0 else t for t in values]
 
 
 def next_token(prefix: list[int], vocab_size: int) -> int:

@@ -125,3 +125,27 @@ def test_a_full_disk_loses_the_pages_not_the_engine(tmp_path, caplog, monkeypatc
     t.flush()
     assert t.get(key(0)) == payload(0)
     t.close()
+
+
+def test_reading_ahead_leaves_no_trace_past_where_the_caller_stops(tmp_path):
+    t = tier(tmp_path)
+    for i in range(12):
+        t.put(key(i), payload(i))
+    t.flush()
+    bad = tmp_path / (key(2).hex() + ".kv")
+    also_bad = tmp_path / (key(4).hex() + ".kv")
+    for f in (bad, also_bad):
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    taken = []
+    for p in t.get_many([key(i) for i in range(12)]):
+        if p is None:
+            break
+        taken.append(p)
+    assert taken == [payload(0), payload(1)]
+    # page 2 settled as a fault (file removed); page 4, read ahead and as bad, is untouched and uncounted
+    assert t.stats.faults == 1 and t.stats.hits == 2 and not bad.exists() and also_bad.exists()
+    assert list(t.get_many([key(5), key(99), key(6)])) == [payload(5), None, payload(6)]
+    assert t.stats.misses == 1
+    t.close()

@@ -27,6 +27,9 @@ from tokenmill.model.gguf_parts import all_parts
 
 # Bytes of the model file hashed into its identity: its head (header and metadata) and tail.
 _IDENTITY_SAMPLE = 4 << 20
+# Pages read back are written into the pool this many at a time: one copy per cache tensor and batch
+# (the runner's write_pages), with at most this many payloads held (~24 MB on the bundled model).
+WRITE_BATCH = 64
 
 
 class PageIO(Protocol):
@@ -34,7 +37,7 @@ class PageIO(Protocol):
 
     def page_layout(self) -> tuple[str, int]: ...
     def read_page(self, page: int) -> bytes: ...
-    def write_page(self, page: int, payload: bytes) -> None: ...
+    def write_pages(self, pages: list[int], payloads: list[bytes]) -> None: ...
 
 
 class KVOffload:
@@ -70,15 +73,19 @@ class KVOffload:
         if not keys or not self.tier.contains(keys[0]):
             return match
         loaded: list[int] = []
+        batch: list[bytes] = []
         cache.lock(match.node)  # making room must not evict the prefix being extended
         try:
-            for key in keys:
-                payload = self.tier.get(key)
+            for payload in self.tier.get_many(keys):
                 if payload is None or not make_room(1):
                     break
-                page = self.pool.allocate(1)[0]
-                self.runner.write_page(page, payload)
-                loaded.append(page)
+                loaded.extend(self.pool.allocate(1))
+                batch.append(payload)
+                if len(batch) == WRITE_BATCH:
+                    self.runner.write_pages(loaded[-len(batch):], batch)
+                    batch = []
+            if batch:
+                self.runner.write_pages(loaded[-len(batch):], batch)
         finally:
             cache.unlock(match.node)
         if not loaded:

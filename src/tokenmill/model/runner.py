@@ -11,6 +11,7 @@ then carries one AttentionMetadata per layer (`AttentionMetadata.for_layer`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -162,17 +163,29 @@ class ModelRunner:
         return b"".join(t[:, lo:hi].contiguous().view(torch.uint8).numpy().tobytes()
                         for layer in self._kv_tensors for t in layer)
 
-    def write_page(self, page: int, payload: bytes) -> None:
-        self._zero_new_pages(page + 1)  # zeroing ahead later must not wipe what is written now
-        lo, hi = page * self.page_size, (page + 1) * self.page_size
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    def write_pages(self, pages: list[int], payloads: list[bytes]) -> None:
+        """read_page's payloads written back into `pages`: one copy per cache tensor for all of them (a
+        copy per page and tensor cost ~10 us of Python each: 150 ms for a 4,096-token prefix)."""
+        if len(pages) != len(payloads):
+            raise ValueError(f"{len(pages)} pages for {len(payloads)} payloads")
+        if not pages:
+            return
+        self._zero_new_pages(max(pages) + 1)  # zeroing ahead later must not wipe what is written now
+        size, n, page_bytes = self.page_size, len(pages), len(payloads[0])
+        joined = bytearray(n * page_bytes)
+        for i, payload in enumerate(payloads):
+            joined[i * page_bytes:(i + 1) * page_bytes] = payload
+        data = torch.frombuffer(joined, dtype=torch.uint8).view(n, page_bytes)
+        index = torch.tensor(pages)
         offset = 0
         for layer in self._kv_tensors:
             for t in layer:
-                target = t[:, lo:hi]
-                n = target.numel() * target.element_size()
-                target.copy_(data[offset:offset + n].view(t.dtype).view(target.shape))
-                offset += n
+                heads, rest = t.shape[0], t.shape[2:]
+                nbytes = heads * size * math.prod(rest) * t.element_size()
+                # each payload's [heads, size, ...] of this tensor, read in place, into [heads, page, size, ...]
+                part = data[:, offset:offset + nbytes].view(t.dtype).view(n, heads, size, *rest)
+                t.view(heads, -1, size, *rest)[:, index] = part.transpose(0, 1)
+                offset += nbytes
 
     @staticmethod
     def _logit_rows(chunks: list[SeqChunk], order: list[int], last_rows: list[int]) -> torch.Tensor:
