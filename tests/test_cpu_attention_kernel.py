@@ -263,3 +263,45 @@ def test_runs_of_one_sequence_match_rows(built, dtype, runs, kv_heads, group, he
                 torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, msg=msg)
     finally:
         torch.set_num_threads(threads)
+
+
+SPLIT_CASES = [
+    # lengths, kv_heads, group, head_dim, page_size: one long row whose items are fewer than 2 a thread
+    ([900], 3, 3, 64, 16),  # SmolLM2 at batch 1: 3 KV heads on 2 threads
+    ([2000], 2, 4, 256, 16),  # head_dim 256: two passes of 2 heads
+    ([700], 2, 4, 128, 16),
+    ([1200], 1, 2, 16, 8),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths,kv_heads,group,head_dim,page_size", SPLIT_CASES)
+def test_long_rows_split_between_threads(built, lengths, kv_heads, group, head_dim, page_size, dtype):
+    q, k_cache, v_cache, table, lens = make_case(lengths, kv_heads, group, head_dim, page_size, seed=5, dtype=dtype)
+    items = torch.ops.tokenmill_cpu.decode_attention_items(table, lens, page_size, kv_heads * group, kv_heads,
+                                                           head_dim, 2)
+    parts = int(items[0, 4])
+    assert parts >= 2 and items.shape[0] == kv_heads * parts  # each KV head's pages in parts
+    assert torch.equal(items[:, 3], torch.arange(parts).repeat(kv_heads))
+    one = torch.ops.tokenmill_cpu.decode_attention_items(table, lens, page_size, kv_heads * group, kv_heads, head_dim, 1)
+    assert kv_heads > 1 or int(one[0, 4]) >= 2  # one KV head is too few items even for one thread
+    ref = naive(q, k_cache, v_cache, table, lens, page_size, head_dim**-0.5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for isa in range(kernel.best_isa() + 1):
+            out = kernel.paged_decode_attention(q, k_cache, v_cache, table, lens, page_size, head_dim**-0.5, isa=isa)
+            torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, msg=lambda m, isa=isa: f"isa {isa}: {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_short_rows_and_many_rows_stay_whole(built):
+    """A split needs kMinRowPartPages (16) pages a part, and fewer items than 2 a thread."""
+    for lengths, threads, parts in (([300], 2, 1), ([16 * 32], 2, 2), ([900, 900], 2, 1), ([900], 1, 1)):
+        _, _, _, table, lens = make_case(lengths, 3, 3, 64, 16)
+        items = torch.ops.tokenmill_cpu.decode_attention_items(table, lens, 16, 9, 3, 64, threads)
+        assert set(items[:, 4].tolist()) == {parts}, (lengths, threads, items)
+    # one KV head of head_dim 256 (Gemma 3): the fused row step splits its query heads instead
+    _, _, _, table, lens = make_case([2000], 1, 4, 256, 16)
+    assert torch.ops.tokenmill_cpu.decode_attention_items(table, lens, 16, 4, 1, 256, 2)[:, 4].tolist() == [1]

@@ -14,6 +14,7 @@ from tokenmill.engine.factory import build_engine_core
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.fused_decode import FusedDecodeStack
 from tokenmill.model.kernels import decode_step, quant_kernel
+from tokenmill.model.kv_cache_format import KVCacheFormat
 from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS
 from tokenmill.model.runner import ModelRunner, SeqChunk
 
@@ -29,9 +30,9 @@ def fast_runner(request, tmp_path_factory):
     else:
         model, quantization = str(write_tiny_gguf(folder, tmp / "tiny.gguf", quant=request.param)), "auto"
 
-    def build(kv_dtype: torch.dtype = torch.bfloat16, prompt_gemm: str = "auto") -> ModelRunner:
+    def build(kv_dtype: torch.dtype = torch.bfloat16, prompt_gemm: str = "auto", page_size: int = 16) -> ModelRunner:
         config = EngineConfig(model=model, precision="fast", quantization=quantization, num_threads=2,
-                              kv_cache_tokens=512, prompt_gemm=prompt_gemm)
+                              kv_cache_tokens=512, prompt_gemm=prompt_gemm, page_size=page_size)
         runner = build_engine_core(config).runner
         return ModelRunner(runner.model, runner.num_pages, runner.page_size, kv_dtype, prefill_as_decode_rows=True)
 
@@ -87,6 +88,39 @@ def test_fused_step_matches_the_layers_op_by_op(fast_runner, kv_dtype, kernel):
     for (kf, vf), (ke, ve) in zip(fused_kv, runner.kv_caches):
         torch.testing.assert_close(kf.float(), ke.float(), atol=1e-4, rtol=1e-2)
         torch.testing.assert_close(vf.float(), ve.float(), atol=1e-4, rtol=1e-2)
+
+
+def split_parts(runner: ModelRunner, pages: list[int], length: int) -> int:
+    """How many parts the attention kernel cuts a row of `length` positions into on 2 threads."""
+    c = runner.model.config
+    items = torch.ops.tokenmill_cpu.decode_attention_items(torch.tensor([pages]), torch.tensor([length]),
+                                                           runner.page_size, c.num_heads, c.num_kv_heads, c.head_dim, 2)
+    return int(items[:, 4].max())
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_a_long_row_split_between_threads_matches_op_by_op(fast_runner, kv_dtype):
+    # batch-1 decode at 301 positions on pages of 8: each KV head's pages in two parts, one a thread,
+    # merged before o
+    runner = fast_runner(kv_dtype, page_size=8)
+    model = runner.model
+    prompt = ids(300, 7)
+    pages = prefill(runner, [prompt])
+    assert split_parts(runner, pages[0], len(prompt) + 1) == 2
+    chunk = [SeqChunk(ids(1, 13), len(prompt), pages[0], sample=True)]
+    fused = runner.execute(chunk)
+    assert model._decode_stack is not None
+    fused_kv = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    model.fused_decode = False
+    try:
+        eager = runner.execute(chunk)
+    finally:
+        model.fused_decode = True
+    torch.testing.assert_close(fused, eager, atol=2e-4 * eager.abs().max().item(), rtol=1e-4)
+    values = KVCacheFormat.of(kv_dtype).decode  # int8 rows: a code may round the other way
+    for (kf, vf), (ke, ve) in zip(fused_kv, runner.kv_caches):
+        torch.testing.assert_close(values(kf), values(ke), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(values(vf), values(ve), atol=2e-2, rtol=1e-2)
 
 
 def prompt_as_rows(runner: ModelRunner, n: int, seed: int) -> list[SeqChunk]:

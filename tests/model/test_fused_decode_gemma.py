@@ -150,3 +150,28 @@ def test_long_prompts_run_in_the_stack(fast_runner):
     # moved 3 of 11M logits by up to 2.3e-3 of it once activations were rounded in merged two-term steps.
     torch.testing.assert_close(fused, eager, atol=3e-3 * eager.abs().max().item(), rtol=1e-3)
     assert (fused.argmax(-1) == eager.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_a_long_row_split_between_threads_matches_op_by_op(tmp_path, kv_dtype):
+    # batch-1 decode at 301 positions on pages of 8: the global layers' pages in parts, one a thread,
+    # merged before o; the sliding layers' 8 positions stay whole
+    folder = make_tiny_model(tmp_path, GEMMA_ARCHS[-1], tokenizer=False, hidden_size=128, intermediate_size=256)
+    gguf = write_tiny_gguf(folder, tmp_path / "tiny.gguf", quant="Q8_0")
+    config = EngineConfig(model=str(gguf), precision="fast", num_threads=2, kv_cache_tokens=512, page_size=8)
+    built = build_engine_core(config).runner
+    runner = ModelRunner(built.model, built.num_pages, 8, kv_dtype, prefill_as_decode_rows=True)
+    c = runner.model.config
+    prompt = ids(300, 8)
+    pages = prefill(runner, [prompt])
+    items = torch.ops.tokenmill_cpu.decode_attention_items(torch.tensor([pages[0]]), torch.tensor([301]), 8,
+                                                           c.num_heads, c.num_kv_heads, c.head_dim, 2)
+    assert int(items[:, 4].max()) >= 2
+    runner.model._decode_stack = None
+    fused, fused_kv, eager = run_both(runner, [SeqChunk(ids(1, 14), len(prompt), pages[0], sample=True)])
+    assert runner.model._decode_stack is not None
+    torch.testing.assert_close(fused, eager, atol=2e-3 * eager.abs().max().item(), rtol=1e-3)
+    values = KVCacheFormat.of(kv_dtype).decode
+    for (kf, vf), (ke, ve) in zip(fused_kv, runner.kv_caches):
+        torch.testing.assert_close(values(kf), values(ke), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(values(vf), values(ve), atol=2e-2, rtol=1e-2)

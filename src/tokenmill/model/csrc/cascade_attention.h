@@ -55,8 +55,8 @@ struct Plan {
 // common-prefix lengths); then the same among the rows left, up to kMaxGroups groups. So each system
 // prompt's streams cascade over it, and a row that shares only a prompt's first pages is left to the
 // kernel or joins a group over those pages. A group needs >= min_rows rows and >= min_prefix tokens
-// (min_rows <= 0: never), and the attention's items must be single rows (no runs of one sequence's
-// rows: speculative decoding), over bf16 or int8 rows of a head dim the tiles take, where this
+// (min_rows <= 0: never), and the attention's items must be single rows, whole (no runs of one
+// sequence's rows: speculative decoding; no row split between threads), over bf16 or int8 rows of a head dim the tiles take, where this
 // process may run them.
 inline Plan plan(const tm_attention::Plan& items, const int64_t* table, const int64_t* lens, int64_t T, int64_t max_pages,
                  int64_t page_size, tm_kv::CacheFormat format, int64_t head_dim, int64_t min_rows, int64_t min_prefix) {
@@ -65,7 +65,7 @@ inline Plan plan(const tm_attention::Plan& items, const int64_t* table, const in
       !tm_amx::amx_ready())
     return p;
   for (int64_t i = 0; i < items.num_items(); ++i)
-    if (items.items[i * tm_attention::kItemFields + 1] != 1) return p;
+    if (items.items[i * tm_attention::kItemFields + 1] != 1 || items.items[i * tm_attention::kItemFields + 4] != 1) return p;
   auto full = [&](int64_t t) { return std::min(max_pages, (lens[t] - 1) / page_size); };  // pages a row may share
   auto common = [&](int64_t a, int64_t b) {
     const int64_t n = std::min(full(a), full(b));

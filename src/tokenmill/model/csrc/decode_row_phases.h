@@ -60,9 +60,10 @@ inline RowCopy make_row_copy(const StackBase& s, float* base, int tid, const flo
   return r;
 }
 
-// Whether a step of T rows over `plan` can run the one-row phases.
-inline bool one_row(int64_t T, const tm_attention::Plan& plan) {
-  return T == 1 && plan.partial_size == 0;
+// Whether a step of T rows over `plan` can run the one-row phases (a long row's pages split between
+// the threads included: row_attention_phase merges its parts).
+inline bool one_row(int64_t T, const tm_attention::Plan&) {
+  return T == 1;
 }
 
 // Early K/V: where the qkv linear's share of every thread (linear_share's column blocks) holds some KV
@@ -139,13 +140,19 @@ inline void row_attention_phase(const StackBase& st, Scratch& s, RowCopy& r, con
   }
   const int64_t i0 = std::min(num_items, w.tid * chunk), i1 = std::min(num_items, i0 + chunk);
   for (int64_t i = i0; i < i1 && !early; ++i) {
-    const int64_t j = plan.items[i * tm_attention::kItemFields + 2], row = j * st.num_slots + slot;
+    const int64_t* item = plan.items.data() + i * tm_attention::kItemFields;
+    if (item[3] != item[4] - 1) continue;  // a row split in parts: its last part's item (the one that reads it) stores it
+    const int64_t j = item[2], row = j * st.num_slots + slot;
     Kit::store_row(st.cache_format, r.k + j * hd, const_cast<void*>(la.k), row, hd);
     Kit::store_row(st.cache_format, s.qkv + (nq + nkv + j) * hd, const_cast<void*>(la.v), row, hd);
   }
   la.q = r.q;
   if (i0 < i1) attend(la, i0, i1, w.scores.data(), w.acc.data());
   w.sync();
+  if (plan.partial_size > 0) {  // the parts of split rows merged by one thread
+    if (w.tid == 0) tm_attention::merge_parts(plan, la.partial, s.attn, nq, nq / nkv, hd);
+    w.sync();
+  }
   Kit::quantize_rows(s.attn, nq * hd, 0, r.rows, r.a_attn);
 }
 

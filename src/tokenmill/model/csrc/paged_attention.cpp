@@ -90,6 +90,24 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 
 int64_t best_isa() { return static_cast<int64_t>(selected_isa(-1)); }
 
+// The work items make_plan gives this table on `threads` threads, [items, kItemFields] (first row, rows,
+// KV head, part, parts, partial offset): what a call would run, for tests and diagnostics.
+at::Tensor decode_attention_items(const at::Tensor& block_table_in, const at::Tensor& seq_lens_in, int64_t page_size,
+                                  int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t threads,
+                                  int64_t window) {
+  TORCH_CHECK(block_table_in.dim() == 2 && seq_lens_in.dim() == 1 && seq_lens_in.size(0) == block_table_in.size(0),
+              "block_table must be [nd, max_pages] and seq_lens [nd]");
+  TORCH_CHECK(page_size > 0 && kv_heads > 0 && num_heads % kv_heads == 0 && threads > 0, "bad attention layout");
+  const at::Tensor table = block_table_in.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens_in.to(at::kLong).contiguous();
+  const int64_t pool_pages = table.numel() > 0 ? table.max().item<int64_t>() + 1 : 1;
+  const Plan plan = make_plan(table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), table.size(0), table.size(1),
+                              page_size, pool_pages, num_heads, kv_heads, head_dim, selected_isa(-1), threads, window);
+  at::Tensor items = at::empty({plan.num_items(), kItemFields}, table.options());
+  std::copy(plan.items.begin(), plan.items.end(), items.data_ptr<int64_t>());
+  return items;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill_cpu, m) {
@@ -99,4 +117,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
       "int cascade_min_prefix=0) -> Tensor",
       &paged_decode_attention);
   m.def("best_isa() -> int", &best_isa);
+  m.def("decode_attention_items(Tensor block_table, Tensor seq_lens, int page_size, int num_heads, int kv_heads, "
+        "int head_dim, int threads, int window=0) -> Tensor",
+        &decode_attention_items);
 }

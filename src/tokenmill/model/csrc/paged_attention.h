@@ -11,14 +11,16 @@ namespace tm_attention {
 namespace {
 
 // W: vector width in floats of the variant (16 for AVX-512, else 8); R: the cache reader.
+// A row split into parts (make_plan) has a head_dim of the vector path.
 template <typename R, int W>
-TM_INLINE void attend_row(const Args& a, int64_t seq, int64_t kvh, float* scores, float* acc) {
+TM_INLINE void attend_row(const Args& a, int64_t seq, int64_t kvh, float* scores, float* acc, int64_t part,
+                          int64_t parts, float* partial) {
   switch (a.hd) {  // acc: the rotated queries' room there (group * head_dim floats)
-    case 64: attend_one_vec<R, 64, W>(a, seq, kvh, scores, acc); break;
-    case 128: attend_one_vec<R, 128, W>(a, seq, kvh, scores, acc); break;
-    case 256: attend_one_vec<R, 256, W>(a, seq, kvh, scores, acc); break;
-    case 32: attend_one_vec<R, 32, W>(a, seq, kvh, scores, acc); break;
-    case 16: attend_one_vec<R, 16, W>(a, seq, kvh, scores, acc); break;
+    case 64: attend_one_vec<R, 64, W>(a, seq, kvh, scores, acc, part, parts, partial); break;
+    case 128: attend_one_vec<R, 128, W>(a, seq, kvh, scores, acc, part, parts, partial); break;
+    case 256: attend_one_vec<R, 256, W>(a, seq, kvh, scores, acc, part, parts, partial); break;
+    case 32: attend_one_vec<R, 32, W>(a, seq, kvh, scores, acc, part, parts, partial); break;
+    case 16: attend_one_vec<R, 16, W>(a, seq, kvh, scores, acc, part, parts, partial); break;
     default: attend_one_scalar<R>(a, seq, kvh, scores, acc);  // any other head_dim: plain loops
   }
 }
@@ -28,11 +30,11 @@ TM_INLINE void attend_range(const Args& a, int64_t begin, int64_t end, float* sc
   for (int64_t i = begin; i < end; ++i) {
     const int64_t* item = a.items + i * kItemFields;
     const int64_t seq = item[0], rows = item[1], kvh = item[2], part = item[3], parts = item[4];
+    float* partial = parts > 1 ? a.partial + item[5] : nullptr;
     if (rows == 1) {
-      attend_row<R, W>(a, seq, kvh, scores, acc);
+      attend_row<R, W>(a, seq, kvh, scores, acc, part, parts, partial);
       continue;
     }
-    float* partial = parts > 1 ? a.partial + item[5] : nullptr;
     if (a.hd == 64) attend_run_items<R, 64, W, Pairs>(a, seq, rows, kvh, part, parts, partial, scores);
     else if (a.hd == 128) attend_run_items<R, 128, W, Pairs>(a, seq, rows, kvh, part, parts, partial, scores);
     else attend_run_items<R, 256, W, Pairs>(a, seq, rows, kvh, part, parts, partial, scores);
@@ -201,11 +203,25 @@ inline Plan make_plan(const int64_t* table_ptr, const int64_t* lens_ptr, int64_t
   std::vector<int64_t>& items = plan.items;
   items.reserve(static_cast<size_t>(kItemFields * base_items * 2));
   int64_t& partial_size = plan.partial_size;
+  // Single rows likewise, when they are long enough for each part to cover kMinRowPartPages (batch-1
+  // decode at long contexts: SmolLM2's 3 KV heads on 2 threads split 2 : 1 otherwise). Not one KV head
+  // of head_dim > 128 (Gemma 3): the fused row step splits its query heads between the threads instead
+  // (decode_row_phases.h), which measured 3-7 % faster than parts at 1,000-4,000 positions.
+  const bool rows_split = base_items < 2 * threads && (hd == 16 || hd == 32 || hd == 64 || hd == 128 || hd == 256) &&
+                          !(kv_heads == 1 && hd > 128);
   for (int64_t u = 0; u < num_units; ++u) {
     const int64_t row0 = units[2 * u], rows = units[2 * u + 1];
     if (rows == 1 || 2 * rows * group <= lanes) {
-      for (int64_t r = row0; r < row0 + rows; ++r)
-        for (int64_t h = 0; h < kv_heads; ++h) items.insert(items.end(), {r, 1, h, 0, 1, -1});
+      for (int64_t r = row0; r < row0 + rows; ++r) {
+        const int64_t pages_seen = (lens_ptr[r] + page_size - 1) / page_size - first_visible(lens_ptr[r], window) / page_size;
+        const int64_t parts = rows_split ? std::clamp<int64_t>(std::min((2 * threads + base_items - 1) / base_items,
+                                                                         pages_seen / kMinRowPartPages), 1, 8) : 1;
+        for (int64_t h = 0; h < kv_heads; ++h)
+          for (int64_t part = 0; part < parts; ++part) {
+            items.insert(items.end(), {r, 1, h, part, parts, parts > 1 ? partial_size : -1});
+            if (parts > 1) partial_size += group * (hd + 2);
+          }
+      }
       continue;
     }
     const int64_t pages_used = (lens_ptr[row0 + rows - 1] + page_size - 1) / page_size -

@@ -213,6 +213,10 @@ constexpr int64_t kPrefetchPages = 4;
 // Longest run of one sequence's rows computed as one work item (the runner sends at most 16).
 constexpr int64_t kMaxRunRows = 16;
 constexpr int64_t kItemFields = 6;
+// A decode row split between threads (make_plan) has at least this many pages a part: below that the
+// merge and the extra barrier of the fused row step cost about what the split saves (docs/benchmarks.md,
+// session 28).
+constexpr int64_t kMinRowPartPages = 16;
 
 }  // namespace
 }  // namespace tm_attention
