@@ -213,9 +213,9 @@ constexpr int64_t kPrefetchPages = 4;
 // Longest run of one sequence's rows computed as one work item (the runner sends at most 16).
 constexpr int64_t kMaxRunRows = 16;
 constexpr int64_t kItemFields = 6;
-// A decode row split between threads (make_plan) has at least this many pages a part: below that the
-// merge and the extra barrier of the fused row step cost about what the split saves (docs/benchmarks.md,
-// session 28).
+// A decode row split between threads (make_plan) has at least this many pages a part (256 positions at
+// pages of 16): a split costs a merge and, in the fused row step, a barrier a layer, and it measured
+// 1.34x from 600 positions on (docs/benchmarks.md, session 28); shorter rows were not measured split.
 constexpr int64_t kMinRowPartPages = 16;
 
 }  // namespace
