@@ -149,6 +149,13 @@ inline void balance_items(std::vector<int64_t>& items, const int64_t* lens, int6
   items.swap(out);
 }
 
+// How many parts a row or run of `pages` visible pages is cut into (each of at least `min_pages`, up to
+// 8) so that `base_items` items make 2 a thread; 1 where they already do.
+inline int64_t parts_for(int64_t base_items, int64_t threads, int64_t pages, int64_t min_pages) {
+  if (base_items >= 2 * threads) return 1;
+  return std::clamp<int64_t>(std::min((2 * threads + base_items - 1) / base_items, pages / min_pages), 1, 8);
+}
+
 // Validates every page id that will be read (a bad table is an error, not a wild read) and plans
 // the items. Rows that continue the previous row's sequence by one token (length + 1, the same
 // pages) join its run (speculative decoding's draft tokens), for the head dims the run path covers.
@@ -207,15 +214,13 @@ inline Plan make_plan(const int64_t* table_ptr, const int64_t* lens_ptr, int64_t
   // decode at long contexts: SmolLM2's 3 KV heads on 2 threads split 2 : 1 otherwise). Not one KV head
   // of head_dim > 128 (Gemma 3): the fused row step splits its query heads between the threads instead
   // (decode_row_phases.h), which measured 3-7 % faster than parts at 1,000-4,000 positions.
-  const bool rows_split = base_items < 2 * threads && (hd == 16 || hd == 32 || hd == 64 || hd == 128 || hd == 256) &&
-                          !(kv_heads == 1 && hd > 128);
+  const bool rows_may_split = (hd == 16 || hd == 32 || hd == 64 || hd == 128 || hd == 256) && !(kv_heads == 1 && hd > 128);
   for (int64_t u = 0; u < num_units; ++u) {
     const int64_t row0 = units[2 * u], rows = units[2 * u + 1];
     if (rows == 1 || 2 * rows * group <= lanes) {
       for (int64_t r = row0; r < row0 + rows; ++r) {
         const int64_t pages_seen = (lens_ptr[r] + page_size - 1) / page_size - first_visible(lens_ptr[r], window) / page_size;
-        const int64_t parts = rows_split ? std::clamp<int64_t>(std::min((2 * threads + base_items - 1) / base_items,
-                                                                         pages_seen / kMinRowPartPages), 1, 8) : 1;
+        const int64_t parts = rows_may_split ? parts_for(base_items, threads, pages_seen, kMinRowPartPages) : 1;
         for (int64_t h = 0; h < kv_heads; ++h)
           for (int64_t part = 0; part < parts; ++part) {
             items.insert(items.end(), {r, 1, h, part, parts, parts > 1 ? partial_size : -1});
@@ -226,9 +231,7 @@ inline Plan make_plan(const int64_t* table_ptr, const int64_t* lens_ptr, int64_t
     }
     const int64_t pages_used = (lens_ptr[row0 + rows - 1] + page_size - 1) / page_size -
                                first_visible(lens_ptr[row0], window) / page_size;
-    int64_t parts = 1;
-    if (base_items < 2 * threads) parts = std::min<int64_t>({(2 * threads + base_items - 1) / base_items, pages_used / 4, 8});
-    parts = std::max<int64_t>(parts, 1);
+    const int64_t parts = parts_for(base_items, threads, pages_used, 4);
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t part = 0; part < parts; ++part) {
         items.insert(items.end(), {row0, rows, h, part, parts, parts > 1 ? partial_size : -1});

@@ -366,12 +366,13 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
   constexpr int Run = kFolds<D> ? tm_vnni::kSuper : 1;      // units summed in one tile
   constexpr int64_t kUnitsPerGroup = kGroup / W;
   const int64_t span = std::min(w.G, kSpanGroups), span_units = span * kUnitsPerGroup;
-  const int64_t block_bytes = span * 1024 * kPlanes<D> + 2 * span_units * kCols * 4;
+  const int64_t block_b = span * 512 * kPlanes<D>;  // bf16 values of decoded B a column block
+  const int64_t block_bytes = 2 * block_b + 2 * span_units * kCols * 4;
   const int64_t most = std::max<int64_t>(1, kChunkBytes / block_bytes), blocks = nb1 - nb0;
   const int64_t chunk = (blocks + (blocks + most - 1) / most - 1) / ((blocks + most - 1) / most);  // even chunks
   thread_local std::vector<uint16_t> bbuf;
   thread_local std::vector<float> sbuf;
-  bbuf.resize(static_cast<size_t>(chunk * span * 512 * kPlanes<D>));
+  bbuf.resize(static_cast<size_t>(chunk * block_b));
   sbuf.resize(static_cast<size_t>(chunk * 2 * span_units * kCols));
   configure<W>();
   const bool has_min = D::has_min(w);
@@ -381,13 +382,13 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
       const int64_t g1 = std::min(w.G, g0 + span), units = (g1 - g0) * kUnitsPerGroup, u0 = g0 * kUnitsPerGroup;
       for (int64_t nb = c0; nb < c1; ++nb) {
         float* s = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
-        decode_block<D>(w, nb, g0, g1, bbuf.data() + (nb - c0) * span * 512 * kPlanes<D>, s, s + span_units * kCols);
+        decode_block<D>(w, nb, g0, g1, bbuf.data() + (nb - c0) * block_b, s, s + span_units * kCols);
       }
       if constexpr (W == 16) {
         for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
           const int64_t rows = std::min(kTileRows, M - m0);
           for (int64_t nb = c0; nb < c1; ++nb) {
-            const uint16_t* b = bbuf.data() + (nb - c0) * span * 512;
+            const uint16_t* b = bbuf.data() + (nb - c0) * block_b;
             const float* s = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
             float* yt = y + m0 * ldy + nb * kCols;
             if (has_min) tile_block<W, true, Run>(a, m0, rows, u0, units, b, s, s + span_units * kCols, yt, ldy, g0 > 0);
@@ -401,8 +402,7 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
             const bool two = nb + 1 < c1;
             const float* s0 = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
             const float* s1 = two ? s0 + 2 * span_units * kCols : nullptr;
-            const int64_t bb = span * 512 * kPlanes<D>;  // bf16 values of B a block
-            const uint16_t* const b[2] = {bbuf.data() + (nb - c0) * bb, two ? bbuf.data() + (nb + 1 - c0) * bb : nullptr};
+            const uint16_t* const b[2] = {bbuf.data() + (nb - c0) * block_b, two ? bbuf.data() + (nb + 1 - c0) * block_b : nullptr};
             const float* const sc[2] = {s0, s1};
             const float* const mn[2] = {s0 + span_units * kCols, two ? s1 + span_units * kCols : nullptr};
             float* const yt[2] = {y + m0 * ldy + nb * kCols, y + m0 * ldy + (nb + 1) * kCols};
