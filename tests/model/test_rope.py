@@ -37,8 +37,9 @@ def reference():
 def test_tables_fill_on_demand_with_transformers_bits(reference, theta, layer_type):
     rope = RotaryEmbedding(config(theta), CONTEXT)
     assert rope.filled == RotaryEmbedding.FILL_POSITIONS  # not the whole context at start-up
+    # one position (a batch-1 decode step: views of the tables) fills on demand too
     batches = [torch.arange(0, 40), torch.tensor([4095, 4096, 9000, 5]), torch.arange(12_000, 12_512),
-               torch.tensor([CONTEXT - 1, 0])]
+               torch.tensor([12_700]), torch.tensor([CONTEXT - 1, 0])]
     filled = []
     for positions in batches:
         cos, sin = rope.lookup(positions)
@@ -46,7 +47,8 @@ def test_tables_fill_on_demand_with_transformers_bits(reference, theta, layer_ty
         ref_cos, ref_sin = reference(torch.empty(0), positions[None], layer_type)
         # Bit for bit: exact mode's token identity with transformers rests on it.
         assert torch.equal(cos.squeeze(1), ref_cos[0]) and torch.equal(sin.squeeze(1), ref_sin[0])
-    assert filled == [4096, 12_288, 16_384, CONTEXT]  # whole fill steps, the last one cut at the context
+        assert cos.shape == sin.shape == (len(positions), 1, HEAD_DIM) and cos.is_contiguous()
+    assert filled == [4096, 12_288, 16_384, 16_384, CONTEXT]  # whole fill steps, the last one cut at the context
     every = torch.arange(CONTEXT)
     ref_cos, ref_sin = reference(torch.empty(0), every[None], layer_type)
     assert torch.equal(rope.cos, ref_cos[0]) and torch.equal(rope.sin, ref_sin[0])
@@ -58,5 +60,7 @@ def test_small_context_and_positions_past_it():
     rope.lookup(torch.tensor([99]))
     with pytest.raises(ValueError, match="position 100 is past the context length of 100"):
         rope.lookup(torch.tensor([3, 100]))
+    with pytest.raises(ValueError, match="position 100 is past the context length of 100"):
+        rope.lookup(torch.tensor([100]))
     empty_cos, _ = rope.lookup(torch.tensor([], dtype=torch.long))
     assert empty_cos.shape == (0, 1, HEAD_DIM)

@@ -91,6 +91,10 @@ class RotaryEmbedding:
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each token, shaped [T, 1, head_dim]: looked up once per forward, not per layer."""
+        if positions.numel() == 1:  # a batch-1 decode step: views of the tables' row, no gather
+            p = int(positions.item())
+            self.ensure(p + 1)
+            return self.cos[p : p + 1, None], self.sin[p : p + 1, None]
         if positions.numel():
             self.ensure(int(positions.max()) + 1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

@@ -125,7 +125,10 @@ class ModelRunner:
         ordered = [chunks[i] for i in order]
         input_ids, positions, meta, last_rows = self._prepare(ordered, sum(as_rows))
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden[self._logit_rows(chunks, order, last_rows)])
+        rows = self._logit_rows(chunks, order, last_rows)
+        # every row in order (each decode step that samples all its rows): no gather
+        logits = self.model.compute_logits(hidden if rows == list(range(hidden.shape[0]))
+                                           else hidden[torch.tensor(rows, dtype=torch.long)])
         last = {i: last_rows[j] for j, i in enumerate(order)}
         pooled = [chunk_pool(hidden[last[i] - len(c.token_ids) + 1 : last[i] + 1], c.pooling_type)
                   for i, c in enumerate(chunks) if c.pooling_type is not None]
@@ -188,7 +191,7 @@ class ModelRunner:
                 offset += nbytes
 
     @staticmethod
-    def _logit_rows(chunks: list[SeqChunk], order: list[int], last_rows: list[int]) -> torch.Tensor:
+    def _logit_rows(chunks: list[SeqChunk], order: list[int], last_rows: list[int]) -> list[int]:
         """Hidden rows to turn into logits, in the caller's chunk order: every row of an `all_logits`
         chunk (its last row is the sampling row when it samples), the last `num_logits` rows of a
         sampling chunk (a speculative chunk: its last token and the drafts after it)."""
@@ -197,7 +200,7 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             n = len(c.token_ids) if c.all_logits else c.num_logits if c.sample else 0
             rows.extend(range(last[i] - n + 1, last[i] + 1))
-        return torch.tensor(rows, dtype=torch.long)
+        return rows
 
     def _zero_new_pages(self, upto: int) -> None:
         if upto <= self._zeroed_pages:
@@ -225,7 +228,12 @@ class ModelRunner:
         if hybrid:
             groups += [[self._window_pages(c, g) for c in chunks] for g in range(self.kv_layout.num_window_groups)]
         self._zero_new_pages(max(max(pages) for group in groups for pages in group) + 1)
-        metas = [self._group_meta(chunks, decode, pages) for pages in groups]
+        if len(decode) == len(chunks) and all(len(c.token_ids) == 1 for c in chunks):
+            input_ids, positions_t, metas = self._one_token_rows_batch(token_ids, positions, groups)
+            if hybrid:
+                metas[0].layer_metas = [metas[g] for g, _ in self._placement]
+            return input_ids, positions_t, metas[0], last_rows
+        metas = [self._mixed_rows_meta(chunks, decode, pages) for pages in groups]
         if hybrid:
             metas[0].layer_metas = [metas[g] for g, _ in self._placement]
         return torch.tensor(token_ids), torch.tensor(positions), metas[0], last_rows
@@ -238,14 +246,9 @@ class ModelRunner:
         # Page 0 stands in for pages the group no longer holds: attention never reads them.
         return [0 if p is None else p for p in chunk.window_pages[group]]
 
-    def _group_meta(self, chunks: list[SeqChunk], decode: list[SeqChunk], pages_of: list[list[int]]) -> AttentionMetadata:
-        """Block tables and slots for one KV group (`pages_of`: each chunk's pages in that group)."""
-        if chunks and len(decode) == len(chunks) and all(len(c.token_ids) == 1 for c in chunks):
-            return self._one_token_rows_meta(chunks, pages_of)
-        return self._mixed_rows_meta(chunks, decode, pages_of)
-
     def _mixed_rows_meta(self, chunks: list[SeqChunk], decode: list[SeqChunk], pages_of: list[list[int]]) -> AttentionMetadata:
-        """_group_meta of any step: decode chunks (first, each of up to max_rows_as_decode tokens)
+        """Block tables and slots for one KV group (`pages_of`: each chunk's pages in that group) of
+        any step (_prepare takes one of one-token decode rows to _one_token_rows_batch): decode chunks (first, each of up to max_rows_as_decode tokens)
         and prompt chunks."""
         size = self.page_size
         slot_parts: list[torch.Tensor] = []
@@ -287,24 +290,30 @@ class ModelRunner:
             decode_seq_lens=lengths,
         )
 
-    def _one_token_rows_meta(self, chunks: list[SeqChunk], pages_of: list[list[int]]) -> AttentionMetadata:
-        """_group_meta of a step whose every chunk is one decode token (each batch-1 and most batched
-        decode steps): the same tensors from Python lists, without the general case's dozen small tensor
-        ops (~0.3 ms of a ~7 ms batch-1 step on the bundled model)."""
-        size = self.page_size
-        lengths = [c.start + 1 for c in chunks]  # the token at position start sees start + 1 positions
+    def _one_token_rows_batch(self, token_ids: list[int], positions: list[int], groups: list[list[list[int]]]
+                              ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
+        """_prepare's tensors for a step of one-token decode rows: the ids, positions and each KV
+        group's metadata (what _mixed_rows_meta builds for it, without its dozen small tensor ops) as
+        views of one tensor built from one list. Such a step comes after the weights' stream has emptied the caches, where each small
+        tensor built costs ~10 us (a batch-1 token made 5 of them, Gemma 3's six KV groups 20)."""
+        size, n = self.page_size, len(token_ids)
+        lengths = [p + 1 for p in positions]  # the token at position p sees p + 1 positions
         max_pages = -(-max(lengths) // size)
-        table = _block_table(pages_of, max_pages)
-        slots = [row[(n - 1) // size] * size + (n - 1) % size for row, n in zip(table, lengths)]
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            num_decode=len(chunks),
-            page_size=size,
-            decode_block_table=torch.tensor(table),
-            decode_mask=None,
-            prefills=[],
-            decode_seq_lens=torch.tensor(lengths),
-        )
+        flat = token_ids + positions + lengths
+        for pages_of in groups:
+            table = _block_table(pages_of, max_pages)
+            flat += [row[(m - 1) // size] * size + (m - 1) % size for row, m in zip(table, lengths)]
+            for row in table:
+                flat += row
+        buf = torch.tensor(flat)
+        seq_lens = buf[2 * n : 3 * n]
+        metas, at = [], 3 * n
+        for _ in groups:
+            slots, table_t = buf[at : at + n], buf[at + n : at + n + n * max_pages].view(n, max_pages)
+            at += n + n * max_pages
+            metas.append(AttentionMetadata(slot_mapping=slots, num_decode=n, page_size=size, decode_block_table=table_t,
+                                           decode_mask=None, prefills=[], decode_seq_lens=seq_lens))
+        return buf[:n], buf[n : 2 * n], metas
 
 
 def _block_table(pages_of: list[list[int]], max_pages: int) -> list[list[int]]:

@@ -125,6 +125,14 @@ def blocked_rows(w: BlockedWeight, ids: torch.Tensor) -> torch.Tensor:
     return _blocked_ops().dequantize_rows(*blocked_args(w), w.shape[1], ids)
 
 
+def bound_blocked_rows(w: BlockedWeight):
+    """`blocked_rows` with the weight's arguments bound: ids -> rows (each decode step's embedding lookup,
+    without the kernel checks `_blocked_ops` makes on every call)."""
+    op = _blocked_ops().dequantize_rows.default
+    args = (*blocked_args(w), w.shape[1])
+    return lambda ids: op(*args, ids)
+
+
 def or_empty(t: torch.Tensor | None) -> torch.Tensor:
     """A weight's optional mins (or subs) as the kernels take them: an empty tensor for none."""
     return _EMPTY if t is None else t

@@ -144,8 +144,9 @@ class QuantizedEmbedding:
 
     def __init__(self, weight: QuantizedWeight | BlockedWeight) -> None:
         self.weight = weight  # blocked when it is shared with a tied lm_head that runs the VNNI kernel
+        self._rows = quant_kernel.bound_blocked_rows(weight) if isinstance(weight, BlockedWeight) else None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, BlockedWeight):
-            return quant_kernel.blocked_rows(self.weight, ids)
+        if self._rows is not None:
+            return self._rows(ids)
         return self.weight.rows(ids).dequantize(torch.float32)
