@@ -230,13 +230,12 @@ class ModelRunner:
         self._zero_new_pages(max(max(pages) for group in groups for pages in group) + 1)
         if len(decode) == len(chunks) and all(len(c.token_ids) == 1 for c in chunks):
             input_ids, positions_t, metas = self._one_token_rows_batch(token_ids, positions, groups)
-            if hybrid:
-                metas[0].layer_metas = [metas[g] for g, _ in self._placement]
-            return input_ids, positions_t, metas[0], last_rows
-        metas = [self._mixed_rows_meta(chunks, decode, pages) for pages in groups]
+        else:
+            input_ids, positions_t = torch.tensor(token_ids), torch.tensor(positions)
+            metas = [self._mixed_rows_meta(chunks, decode, pages) for pages in groups]
         if hybrid:
             metas[0].layer_metas = [metas[g] for g, _ in self._placement]
-        return torch.tensor(token_ids), torch.tensor(positions), metas[0], last_rows
+        return input_ids, positions_t, metas[0], last_rows
 
     @staticmethod
     def _window_pages(chunk: SeqChunk, group: int) -> list[int]:
@@ -248,8 +247,8 @@ class ModelRunner:
 
     def _mixed_rows_meta(self, chunks: list[SeqChunk], decode: list[SeqChunk], pages_of: list[list[int]]) -> AttentionMetadata:
         """Block tables and slots for one KV group (`pages_of`: each chunk's pages in that group) of
-        any step (_prepare takes one of one-token decode rows to _one_token_rows_batch): decode chunks (first, each of up to max_rows_as_decode tokens)
-        and prompt chunks."""
+        any step: decode chunks (first, each of up to max_rows_as_decode tokens) and prompt chunks.
+        _prepare takes a step of one-token decode rows to _one_token_rows_batch instead."""
         size = self.page_size
         slot_parts: list[torch.Tensor] = []
         table = decode_mask = lengths = None
@@ -294,8 +293,9 @@ class ModelRunner:
                               ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
         """_prepare's tensors for a step of one-token decode rows: the ids, positions and each KV
         group's metadata (what _mixed_rows_meta builds for it, without its dozen small tensor ops) as
-        views of one tensor built from one list. Such a step comes after the weights' stream has emptied the caches, where each small
-        tensor built costs ~10 us (a batch-1 token made 5 of them, Gemma 3's six KV groups 20)."""
+        views of one tensor built from one list. Such a step runs right after the weights' stream has
+        emptied the caches, where each small tensor built costs ~10 us (a batch-1 token made 5 of
+        them, Gemma 3's six KV groups 20: docs/benchmarks.md, session 29)."""
         size, n = self.page_size, len(token_ids)
         lengths = [p + 1 for p in positions]  # the token at position p sees p + 1 positions
         max_pages = -(-max(lengths) // size)
