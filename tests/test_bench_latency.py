@@ -111,24 +111,38 @@ def test_peer_needs_a_gguf_and_a_binary(tmp_path, capsys):
     assert "--llama-cpp" in err and "build-llama-cpp.sh" in err
 
 
-@pytest.mark.slow  # loads the bundled GGUF (~10 s): llama-bench only takes GGUF files
-def test_end_to_end_with_fake_llama_bench(tmp_path, capsys):
+@pytest.mark.slow  # loads the bundled GGUF (~10 s a round): llama-bench only takes GGUF files
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_end_to_end_with_fake_llama_bench(tmp_path, capsys, rounds):
     bin_dir = tmp_path / "bin"
     _fake_llama_bench(bin_dir, log=tmp_path / "argv.json")
     out = tmp_path / "latency.json"
     argv = ["bench", "latency", *TINY, "--no-warmup", "--peer", "llama.cpp", "--llama-cpp", str(bin_dir),
-            "--json", str(out)]
+            "--json", str(out), "--rounds", str(rounds)]
     assert main(argv) == 0
-    args = json.loads((tmp_path / "argv.json").read_text())
-    assert args == ["-m", default_model_path(), "-p", "12", "-n", "5", "-t", "1", "-r", "2", "-o", "json"]
+    calls = [json.loads(line) for line in (tmp_path / "argv.json").read_text().splitlines()]
+    assert calls == [["-m", default_model_path(), "-p", "12", "-n", "5", "-t", "1", "-r", "2", "-o", "json"]] * rounds
     report = json.loads(out.read_text())
     peer = report["results"]["llama.cpp"]
     assert peer["pp"]["tokens_per_s"] == pytest.approx(300.0) and peer["tg"]["tokens_per_s"] == pytest.approx(100.0)
     assert peer["threads"] == 1 and peer["build_commit"] == "fake"
     ours = report["results"]["tokenmill"]
-    assert report["ratios"]["pp"] == pytest.approx(ours["pp"]["tokens_per_s"] / 300.0)
-    assert report["ratios"]["tg"] == pytest.approx(ours["tg"]["tokens_per_s"] / 100.0)
-    assert "tokenmill / llama.cpp: pp12" in capsys.readouterr().out
+    assert len(ours["pp"]["runs"]) == len(peer["tg"]["runs"]) == 2 * rounds  # every round's runs
+    printed = capsys.readouterr().out
+    assert "tokenmill / llama.cpp: pp12" in printed
+    if rounds == 1:
+        assert "round_ratios" not in report and "one run" in printed
+        assert report["ratios"]["pp"] == pytest.approx(ours["pp"]["tokens_per_s"] / 300.0)
+        assert report["ratios"]["tg"] == pytest.approx(ours["tg"]["tokens_per_s"] / 100.0)
+        return
+    # the ratio is the median of the rounds' own ratios, each from that round's medians
+    per_round = report["round_ratios"]
+    assert len(per_round) == rounds and "median of 3 rounds" in printed
+    for test, peer_rate in (("pp", 300.0), ("tg", 100.0)):
+        ratios = sorted(r[test] for r in per_round)
+        assert report["ratios"][test] == pytest.approx(ratios[1])
+        runs = ours[test]["runs"]  # each round's 2 runs, in order: the round's median is their mean
+        assert ratios == pytest.approx(sorted((runs[2 * i] + runs[2 * i + 1]) / 2 / peer_rate for i in range(rounds)))
 
 
 def _fake_llama_bench(folder, log=None):
@@ -139,7 +153,7 @@ def _fake_llama_bench(folder, log=None):
 import json, sys
 args = sys.argv[1:]
 if {str(log) if log else None!r}:
-    open({str(log)!r}, "w").write(json.dumps(args))
+    open({str(log)!r}, "a").write(json.dumps(args) + "\\n")
 opt = dict(zip(args[::2], args[1::2]))
 p, n, t, r = (int(opt[k]) for k in ("-p", "-n", "-t", "-r"))
 def entry(n_prompt, n_gen, ts):

@@ -5,7 +5,9 @@ The two tests mirror llama-bench's so the ratios compare like with like: pp<N> i
 random ordinary tokens, timed to its first token (max_tokens=1, nothing served from the prefix cache);
 tg<N> is N greedy tokens after a short prompt, timed from the first generated token to the last, so
 only decode steps count. tokenmill runs first and is freed before llama-bench starts: the two never
-share the cores.
+share the cores. With `--rounds N` the two take turns N times and the ratio is the median of the
+rounds' ratios: on a host whose speed drifts from minute to minute (a shared VM), one engine's whole
+run can land in a slow stretch the other missed.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def add_latency_parser(subparsers: Any) -> None:
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run each test once untimed before timing (default: on)")
     g.add_argument("--repeats", type=at_least(1), default=3, help="timed runs per test; median and spread reported")
+    g.add_argument("--rounds", type=at_least(1), default=1,
+                   help="with --peer: the two engines take turns this many times; the ratio is the rounds' median")
     g.add_argument("--ceiling-size", type=at_least(1), default=2048, help="square matmul size for the ceilings")
     g.add_argument("--json", metavar="PATH", default=None, help="write settings and results here")
     add_engine_args(p)
@@ -62,7 +66,6 @@ def add_latency_parser(subparsers: Any) -> None:
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.llm import LLM
     from tokenmill.model.default_model import default_model_path
 
     model_path = os.path.abspath(os.path.expanduser(args.model)) if args.model else default_model_path()
@@ -74,15 +77,51 @@ def cmd_latency(args: argparse.Namespace) -> int:
         llama_bench = find_binary("llama-bench", args.llama_cpp)
 
     kwargs = engine_kwargs(args)
-    llm = LLM(args.model, **kwargs)
-    threads = llm.config.threads
-    config = llm.engine.runner.model.config
-    flops = model_flops(config)
-    pp_gflop = flops.run_flops(args.prompt_len, 1, 1) / 1e9  # the layers on every prompt token, lm_head once
-    settings = run_settings(threads)  # before the runs: the date and load they started under
-    ceilings = matmul_ceilings(threads, args.ceiling_size)
-    ceiling = ceilings[fast_gemm_dtype() if args.precision == "fast" else "fp32"]
+    first: dict[str, Any] = {}
+    rounds: list[dict[str, dict]] = []
+    for _ in range(args.rounds):
+        results = {"tokenmill": _tokenmill_round(args, kwargs, first)}
+        if llama_bench is not None:
+            results["llama.cpp"] = _peer_round(llama_bench, model_path, args, first["threads"], first["pp_gflop"])
+        rounds.append(results)
+    results = rounds[0] if len(rounds) == 1 else _merged(rounds)
+    config, settings, ceilings, pp_gflop = first["config"], first["settings"], first["ceilings"], first["pp_gflop"]
+    threads = first["threads"]
 
+    report = {
+        "settings": {**settings, "load_average_end": run_settings(threads)["load_average"],
+                     "precision": args.precision, "engine_args": kwargs, "decode_prompt_len": DECODE_PROMPT_LEN,
+                     "args": {k: v for k, v in vars(args).items() if k != "func"}},
+        "ceilings_gflop_per_s": ceilings,
+        "model": {"path": model_path, "architecture": config.architecture, "pp_gflop": pp_gflop},
+        "results": results,
+    }
+    if "llama.cpp" in results:
+        per_round = [{test: r["tokenmill"][test]["tokens_per_s"] / r["llama.cpp"][test]["tokens_per_s"]
+                      for test in ("pp", "tg")} for r in rounds]
+        report["ratios"] = {test: statistics.median(r[test] for r in per_round) for test in ("pp", "tg")}
+        if len(rounds) > 1:
+            report["round_ratios"] = per_round
+    _print_report(report, args.prompt_len, args.gen_len)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 1 if any(r["errors"] for r in results.values()) else 0
+
+
+def _tokenmill_round(args: argparse.Namespace, kwargs: dict, first: dict[str, Any]) -> dict:
+    """One round of tokenmill's tests, its engine freed after. The first round also records in `first`
+    the model's config, its prompt's GFLOP, the threads, the run's settings and the matmul ceilings."""
+    from tokenmill.entrypoints.llm import LLM
+
+    llm = LLM(args.model, **kwargs)
+    if not first:
+        threads = llm.config.threads
+        config = llm.engine.runner.model.config
+        first.update(threads=threads, config=config, settings=run_settings(threads),  # the load they started under
+                     pp_gflop=model_flops(config).run_flops(args.prompt_len, 1, 1) / 1e9)  # layers per token, lm_head once
+        first["ceilings"] = matmul_ceilings(threads, args.ceiling_size)
+    ceiling = first["ceilings"][fast_gemm_dtype() if args.precision == "fast" else "fp32"]
     vocab = llm.engine.vocab_size
     if args.warmup:
         measure_prompt(llm, _prompt(args.prompt_len, vocab, args.workload_seed + WARMUP_SEED_OFFSET))
@@ -97,44 +136,46 @@ def cmd_latency(args: argparse.Namespace) -> int:
         if got != args.gen_len:
             errors.append(f"tokenmill decode run {i}: {got} tokens, asked for {args.gen_len}")
         tg_secs.append(seconds)
-    pp = _rates([args.prompt_len / s for s in pp_secs])
-    pp["gflop_per_s"] = pp_gflop * pp["tokens_per_s"] / args.prompt_len
-    pp["fraction_of_ceiling"] = pp["gflop_per_s"] / ceiling
-    results: dict[str, dict] = {"tokenmill": {
-        "pp": pp, "tg": _rates([(args.gen_len - 1) / s for s in tg_secs]), "errors": errors,
-    }}
     del llm  # free its weights and KV pool before the peer loads its own copy
     gc.collect()
+    pp = _rates([args.prompt_len / s for s in pp_secs])
+    pp["gflop_per_s"] = first["pp_gflop"] * pp["tokens_per_s"] / args.prompt_len
+    pp["fraction_of_ceiling"] = pp["gflop_per_s"] / ceiling
+    return {"pp": pp, "tg": _rates([(args.gen_len - 1) / s for s in tg_secs]), "errors": errors}
 
-    if llama_bench is not None:
-        pp_test, tg_test, raw = run_llama_bench(llama_bench, model_path, args.prompt_len, args.gen_len,
-                                                threads, args.repeats)
-        peer_pp = _rates(pp_test.samples_ts or [pp_test.avg_ts])
-        peer_pp["gflop_per_s"] = pp_gflop * peer_pp["tokens_per_s"] / args.prompt_len
-        results["llama.cpp"] = {
-            "pp": {**peer_pp, "avg_ts": pp_test.avg_ts, "stddev_ts": pp_test.stddev_ts},
-            "tg": {**_rates(tg_test.samples_ts or [tg_test.avg_ts]), "avg_ts": tg_test.avg_ts,
-                   "stddev_ts": tg_test.stddev_ts},
-            "binary": llama_bench, "build_commit": pp_test.build_commit, "threads": pp_test.n_threads,
-            "model_type": pp_test.model_type, "raw": raw, "errors": [],
-        }
 
-    report = {
-        "settings": {**settings, "load_average_end": run_settings(threads)["load_average"],
-                     "precision": args.precision, "engine_args": kwargs, "decode_prompt_len": DECODE_PROMPT_LEN,
-                     "args": {k: v for k, v in vars(args).items() if k != "func"}},
-        "ceilings_gflop_per_s": ceilings,
-        "model": {"path": model_path, "architecture": config.architecture, "pp_gflop": pp_gflop},
-        "results": results,
+def _peer_round(llama_bench: str, model_path: str, args: argparse.Namespace, threads: int, pp_gflop: float) -> dict:
+    """One round of llama-bench's pp and tg tests on the same file and threads."""
+    pp_test, tg_test, raw = run_llama_bench(llama_bench, model_path, args.prompt_len, args.gen_len, threads,
+                                            args.repeats)
+    peer_pp = _rates(pp_test.samples_ts or [pp_test.avg_ts])
+    peer_pp["gflop_per_s"] = pp_gflop * peer_pp["tokens_per_s"] / args.prompt_len
+    return {
+        "pp": {**peer_pp, "avg_ts": pp_test.avg_ts, "stddev_ts": pp_test.stddev_ts},
+        "tg": {**_rates(tg_test.samples_ts or [tg_test.avg_ts]), "avg_ts": tg_test.avg_ts, "stddev_ts": tg_test.stddev_ts},
+        "binary": llama_bench, "build_commit": pp_test.build_commit, "threads": pp_test.n_threads,
+        "model_type": pp_test.model_type, "raw": raw, "errors": [],
     }
-    if "llama.cpp" in results:
-        ours, peer = results["tokenmill"], results["llama.cpp"]
-        report["ratios"] = {test: ours[test]["tokens_per_s"] / peer[test]["tokens_per_s"] for test in ("pp", "tg")}
-    _print_report(report, args.prompt_len, args.gen_len)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    return 1 if any(r["errors"] for r in results.values()) else 0
+
+
+def _merged(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each engine's tests over all rounds: every run's rate in one median and spread (the first round's
+    other fields), the errors of all rounds."""
+    merged: dict[str, dict] = {}
+    for engine, first in rounds[0].items():
+        entry = dict(first, errors=[e for r in rounds for e in r[engine]["errors"]])
+        for test in ("pp", "tg"):
+            runs = [rate for r in rounds for rate in r[engine][test]["runs"]]
+            entry[test] = {**first[test], **_rates(runs)}
+            if "gflop_per_s" in first[test]:  # per token, the same in every round: scale by the new median
+                scale = entry[test]["tokens_per_s"] / first[test]["tokens_per_s"]
+                entry[test]["gflop_per_s"] = first[test]["gflop_per_s"] * scale
+                if "fraction_of_ceiling" in first[test]:
+                    entry[test]["fraction_of_ceiling"] = first[test]["fraction_of_ceiling"] * scale
+            entry[test].pop("avg_ts", None)
+            entry[test].pop("stddev_ts", None)
+        merged[engine] = entry
+    return merged
 
 
 def _prompt(length: int, vocab: int, seed: int) -> list[int]:
@@ -221,9 +262,12 @@ def _print_report(report: dict, prompt_len: int, gen_len: int) -> None:
         print("  ".join([row[0].ljust(widths[0]), row[1].ljust(widths[1])]
                         + [cell.rjust(w) for cell, w in zip(row[2:], widths[2:])]))
     if "ratios" in report:
-        r = report["ratios"]
+        r, rounds = report["ratios"], report.get("round_ratios")
+        how = "one run" if rounds is None else (
+            f"median of {len(rounds)} rounds, the engines in turn: pp{prompt_len} "
+            + " / ".join(f"{x['pp']:.2f}" for x in rounds) + f", tg{gen_len} " + " / ".join(f"{x['tg']:.2f}" for x in rounds))
         print(f"tokenmill / llama.cpp: pp{prompt_len} {r['pp']:.2f}x, tg{gen_len} {r['tg']:.2f}x "
-              f"(same GGUF, {s['threads']} threads, one run)")
+              f"(same GGUF, {s['threads']} threads, {how})")
     for name, r in report["results"].items():
         for error in r["errors"]:
             print(f"error ({name}): {error}", file=sys.stderr)
