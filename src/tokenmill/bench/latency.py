@@ -82,11 +82,16 @@ def cmd_latency(args: argparse.Namespace) -> int:
     for _ in range(args.rounds):
         results = {"tokenmill": _tokenmill_round(args, kwargs, first)}
         if llama_bench is not None:
-            results["llama.cpp"] = _peer_round(llama_bench, model_path, args, first["threads"], first["pp_gflop"])
+            results["llama.cpp"] = _peer_round(llama_bench, model_path, args, first["threads"])
         rounds.append(results)
     results = rounds[0] if len(rounds) == 1 else _merged(rounds)
     config, settings, ceilings, pp_gflop = first["config"], first["settings"], first["ceilings"], first["pp_gflop"]
     threads = first["threads"]
+    for engine, r in results.items():  # the prompt's work a second, and tokenmill's share of the ceiling
+        r["pp"]["gflop_per_s"] = pp_gflop * r["pp"]["tokens_per_s"] / args.prompt_len
+        if engine == "tokenmill":
+            r["pp"]["fraction_of_ceiling"] = r["pp"]["gflop_per_s"] / ceilings[
+                fast_gemm_dtype() if args.precision == "fast" else "fp32"]
 
     report = {
         "settings": {**settings, "load_average_end": run_settings(threads)["load_average"],
@@ -121,7 +126,6 @@ def _tokenmill_round(args: argparse.Namespace, kwargs: dict, first: dict[str, An
         first.update(threads=threads, config=config, settings=run_settings(threads),  # the load they started under
                      pp_gflop=model_flops(config).run_flops(args.prompt_len, 1, 1) / 1e9)  # layers per token, lm_head once
         first["ceilings"] = matmul_ceilings(threads, args.ceiling_size)
-    ceiling = first["ceilings"][fast_gemm_dtype() if args.precision == "fast" else "fp32"]
     vocab = llm.engine.vocab_size
     if args.warmup:
         measure_prompt(llm, _prompt(args.prompt_len, vocab, args.workload_seed + WARMUP_SEED_OFFSET))
@@ -138,20 +142,16 @@ def _tokenmill_round(args: argparse.Namespace, kwargs: dict, first: dict[str, An
         tg_secs.append(seconds)
     del llm  # free its weights and KV pool before the peer loads its own copy
     gc.collect()
-    pp = _rates([args.prompt_len / s for s in pp_secs])
-    pp["gflop_per_s"] = first["pp_gflop"] * pp["tokens_per_s"] / args.prompt_len
-    pp["fraction_of_ceiling"] = pp["gflop_per_s"] / ceiling
-    return {"pp": pp, "tg": _rates([(args.gen_len - 1) / s for s in tg_secs]), "errors": errors}
+    return {"pp": _rates([args.prompt_len / s for s in pp_secs]), "tg": _rates([(args.gen_len - 1) / s for s in tg_secs]),
+            "errors": errors}
 
 
-def _peer_round(llama_bench: str, model_path: str, args: argparse.Namespace, threads: int, pp_gflop: float) -> dict:
+def _peer_round(llama_bench: str, model_path: str, args: argparse.Namespace, threads: int) -> dict:
     """One round of llama-bench's pp and tg tests on the same file and threads."""
     pp_test, tg_test, raw = run_llama_bench(llama_bench, model_path, args.prompt_len, args.gen_len, threads,
                                             args.repeats)
-    peer_pp = _rates(pp_test.samples_ts or [pp_test.avg_ts])
-    peer_pp["gflop_per_s"] = pp_gflop * peer_pp["tokens_per_s"] / args.prompt_len
     return {
-        "pp": {**peer_pp, "avg_ts": pp_test.avg_ts, "stddev_ts": pp_test.stddev_ts},
+        "pp": {**_rates(pp_test.samples_ts or [pp_test.avg_ts]), "avg_ts": pp_test.avg_ts, "stddev_ts": pp_test.stddev_ts},
         "tg": {**_rates(tg_test.samples_ts or [tg_test.avg_ts]), "avg_ts": tg_test.avg_ts, "stddev_ts": tg_test.stddev_ts},
         "binary": llama_bench, "build_commit": pp_test.build_commit, "threads": pp_test.n_threads,
         "model_type": pp_test.model_type, "raw": raw, "errors": [],
@@ -159,21 +159,13 @@ def _peer_round(llama_bench: str, model_path: str, args: argparse.Namespace, thr
 
 
 def _merged(rounds: list[dict[str, dict]]) -> dict[str, dict]:
-    """Each engine's tests over all rounds: every run's rate in one median and spread (the first round's
-    other fields), the errors of all rounds."""
+    """Each engine's tests over all rounds: every run's rate in one median and spread, the errors of all
+    rounds, the first round's other fields."""
     merged: dict[str, dict] = {}
     for engine, first in rounds[0].items():
         entry = dict(first, errors=[e for r in rounds for e in r[engine]["errors"]])
-        for test in ("pp", "tg"):
-            runs = [rate for r in rounds for rate in r[engine][test]["runs"]]
-            entry[test] = {**first[test], **_rates(runs)}
-            if "gflop_per_s" in first[test]:  # per token, the same in every round: scale by the new median
-                scale = entry[test]["tokens_per_s"] / first[test]["tokens_per_s"]
-                entry[test]["gflop_per_s"] = first[test]["gflop_per_s"] * scale
-                if "fraction_of_ceiling" in first[test]:
-                    entry[test]["fraction_of_ceiling"] = first[test]["fraction_of_ceiling"] * scale
-            entry[test].pop("avg_ts", None)
-            entry[test].pop("stddev_ts", None)
+        for test in ("pp", "tg"):  # llama-bench's own average and deviation are one round's: dropped
+            entry[test] = _rates([rate for r in rounds for rate in r[engine][test]["runs"]])
         merged[engine] = entry
     return merged
 

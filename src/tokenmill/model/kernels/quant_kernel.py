@@ -122,7 +122,7 @@ def blocked_dense_scratch(w: BlockedWeight, dtype: torch.dtype) -> torch.Tensor:
 
 def blocked_rows(w: BlockedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` as fp32 [T, K], gguf-py's values exactly (embedding lookups)."""
-    return _blocked_ops().dequantize_rows(*blocked_args(w), w.shape[1], ids)
+    return bound_blocked_rows(w)(ids)
 
 
 def bound_blocked_rows(w: BlockedWeight):
