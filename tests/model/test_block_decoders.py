@@ -64,20 +64,20 @@ def weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[BlockedWeight, tor
     return to_blocked_gguf(kind, torch.from_numpy(raw), (n, k)), ref, raw.nbytes
 
 
-def two_term_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def two_term_bound(x: torch.Tensor, w: torch.Tensor, group: int = 32) -> torch.Tensor:
     """|kernel - x @ w.T| bound [M, N]. Each activation is rounded to int8 twice per group of 32
-    (quant_acts.h): term 1 leaves |r| <= d1 / 2 (+ fp32 rounding) with d1 = amax / 127, term 2
+    (quant_acts.h; `group` 256 for the AMX-INT8 tiles, test_quant_amx8.py): term 1 leaves |r| <= d1 / 2 (+ fp32 rounding) with d1 = amax / 127, term 2
     rounds r on steps of d2 = d1 / 256 and leaves <= d2 / 2, or up to d2 where r / d2 rounds to
     128 and saturates to 127, so |x - x'| <= 1.01 amax / (127 * 256) for every element of the
     group; products with the codes are exact integers. Plus fp32 rounding of the per-group scaling
     (the merged sum 256 D1 + D2 converted to fp32, one more rounding) and accumulation: (G + 10)
     units of 2^-24 of sum |w x| (x4 for the min terms, which are of the size of the weights here)."""
     m, k = x.shape
-    g = k // 32
-    amax = x.double().abs().reshape(m, g, 32).amax(-1)  # [M, G]
-    wabs = w.double().abs().reshape(w.shape[0], g, 32).sum(-1)  # [N, G]
+    g = k // group
+    amax = x.double().abs().reshape(m, g, group).amax(-1)  # [M, G]
+    wabs = w.double().abs().reshape(w.shape[0], g, group).sum(-1)  # [N, G]
     rounding = amax @ wabs.T / (127 * 256) * 1.01
-    fp32 = (g + 10) * 2.0**-24 * 4 * (x.double().abs() @ w.double().abs().T)
+    fp32 = (k // 32 + 10) * 2.0**-24 * 4 * (x.double().abs() @ w.double().abs().T)
     return rounding + fp32
 
 
@@ -151,8 +151,8 @@ def test_a_rows_result_does_not_depend_on_its_tile(kernel, kind):
     bw, _, _ = weight(kind, 48, k, seed=7)
     for rows in (11, 24):
         x = torch.randn(rows, k)
-        got = quant_kernel.blocked_linear(x, bw)
-        alone = torch.cat([quant_kernel.blocked_linear(x[i : i + 1], bw) for i in range(rows)])
+        got = quant_kernel.blocked_linear(x, bw, amx=False)  # the vector kernel (24 rows may take AMX-INT8 tiles)
+        alone = torch.cat([quant_kernel.blocked_linear(x[i : i + 1], bw, amx=False) for i in range(rows)])
         assert torch.equal(got, alone)
 
 

@@ -1,7 +1,8 @@
 """The fused decode step (csrc/decode_step.cpp) over every GGUF block format, and over linears that mix
 formats (Q4_K_M keeps q/k in Q4_K and v in Q6_K inside one fused q/k/v): the same logits and K/V as
-the layers op by op, on each blocked kernel's kit (AVX512-VNNI, AVX2). The weights are random blocks
-swapped into a tiny model built in fast mode."""
+the layers op by op, on each blocked kernel's kit (AVX512-VNNI, AVX2), in a step of 6 rows and in one
+of 16 (where a CPU with AMX-INT8 runs the parts that fold on its tiles, csrc/quant_amx8.h, both ways).
+The weights are random blocks swapped into a tiny model built in fast mode."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tokenmill.model.kernels import decode_step
 from tokenmill.model.layers.factory import ConcatLinear
 from tokenmill.model.layers.quantized_linear import QuantizedLinear
 from tokenmill.model.quant import to_blocked_gguf
-from tokenmill.model.runner import ModelRunner
+from tokenmill.model.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and a blocked kernel")
 
@@ -63,13 +64,20 @@ def mixed_runner(tmp_path, kernel):
     return ModelRunner(model, runner.num_pages, runner.page_size, torch.bfloat16, prefill_as_decode_rows=True)
 
 
-def test_every_format_and_mixed_linears_run_fused(mixed_runner, kernel):
+def sixteen_rows(prompts, pages) -> list[SeqChunk]:
+    # four speculative runs of 4 tokens (last token + 3 drafts)
+    return [SeqChunk(ids(4, 20 + i), len(p), pg, sample=True, num_logits=4) for i, (p, pg) in enumerate(zip(prompts, pages))]
+
+
+@pytest.mark.parametrize("rows", [6, 16])
+def test_every_format_and_mixed_linears_run_fused(mixed_runner, kernel, rows):
     runner = mixed_runner
     model = runner.model
     assert model.fused_decode, "every linear runs a blocked kernel, so the fused step takes them"
-    prompts = [ids(37, 1), ids(21, 2), ids(50, 3)]
+    prompts = [ids(37, 1), ids(21, 2), ids(50, 3), ids(29, 4)][: 3 if rows == 6 else 4]
     pages = prefill(runner, prompts)
-    chunks = decode_chunks(prompts, pages)
+    chunks = decode_chunks(prompts, pages) if rows == 6 else sixteen_rows(prompts, pages)
+    assert sum(len(c.token_ids) for c in chunks) == rows
     model.fused_decode = True
     fused = runner.execute(chunks)
     assert model._decode_stack is not None and model._decode_stack.kit == decode_step.KITS[kernel]

@@ -70,22 +70,27 @@ def test_wide_inputs_run_in_spans_whose_sums_add_up(kind):
     assert ((got - x.double() @ ref.double().T).abs() <= amx_bound(x, ref)).all()
 
 
+def assert_rows_alone_and_threads_alike(linear, x: torch.Tensor, rows: tuple[int, ...]) -> None:
+    """linear(x) on 1 and 2 threads bit for bit, and each of `rows` alone equal to its row of it."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x)
+        torch.set_num_threads(2)
+        two = linear(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    for i in rows:
+        assert torch.equal(linear(x[i : i + 1])[0], two[i])
+
+
 @pytest.mark.parametrize("kind", ["Q5_0", "Q6_K", "Q4_K"])
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(kind):
     k = width(kind, 128, 256)
     bw, _, _ = weight(kind, 256, k)
-    x = torch.randn(70, k)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = quant_kernel.blocked_linear_amx(x, bw)
-        torch.set_num_threads(2)
-        two = quant_kernel.blocked_linear_amx(x, bw)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
-    for i in (0, 15, 16, 69):  # first / last of a tile, a tile's first, the padded tile's only row
-        assert torch.equal(quant_kernel.blocked_linear_amx(x[i : i + 1], bw)[0], two[i])
+    # first / last of a tile, a tile's first, the padded tile's only row
+    assert_rows_alone_and_threads_alike(lambda x: quant_kernel.blocked_linear_amx(x, bw), torch.randn(70, k), (0, 15, 16, 69))
 
 
 def test_linear_takes_the_tiles_from_their_row_count():

@@ -52,4 +52,17 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
+// Every tile 16 rows x 64 bytes (the prompt attention's C, A and B; the AMX-INT8 linear's). A static
+// object: GCC's `_tile_loadconfig` tells the compiler it reads 8 bytes, so stores to a local
+// configuration past those may be dropped as dead.
+inline const TileConfig& full_tiles() {
+  static const TileConfig config = [] {
+    TileConfig c{};
+    c.palette_id = 1;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    return c;
+  }();
+  return config;
+}
+
 }  // namespace tm_amx

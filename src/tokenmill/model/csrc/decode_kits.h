@@ -15,7 +15,8 @@
 // rope, silu_mul, store_row (a K or V row into a cache), isa / attention (the attention variant and
 // the plan's lanes).
 //
-// Needs fused_ops.h, paged_attention.h, quant_vnni.h, quant_amx.h and quant_avx2.h included first.
+// Needs fused_ops.h, paged_attention.h, quant_vnni.h, quant_amx.h, quant_amx8.h and quant_avx2.h included
+// first.
 
 #include <immintrin.h>
 
@@ -33,19 +34,27 @@ struct Avx512Kit {
 
   static bool supported() { return tm_fused::use_avx512() && tm_vnni::vnni_supported(); }
 
-  // All of a's rows on the AMX tiles where a carries them split (make_scratch: a step of
-  // tm_amx::kAmxMinRows+ rows on a CPU with AMX), the VNNI kernel otherwise (an expert's rows).
+  // All of a's rows on the AMX-BF16 tiles where a carries them split (make_scratch: a step of
+  // tm_amx::kAmxMinRows+ rows on a CPU with AMX), or on the AMX-INT8 tiles where a carries them
+  // rounded for those and the format folds (a step of tm_amx8::kAmx8MinRows+), the VNNI kernel
+  // otherwise (an expert's rows, the other formats).
   static void blocks(const tm_vnni::Weights& w, const tm_vnni::Acts& a, int64_t m0, int64_t m1, int64_t N,
                      int64_t nb0, int64_t nb1, float* y) {
-    if (a.split.hi != nullptr && m0 == 0 && m1 == a.M) tm_amx::blocks(w, a.split, a.M, nb0, nb1, y, N);
+    const bool all = m0 == 0 && m1 == a.M;
+    if (a.split.hi != nullptr && all) tm_amx::blocks(w, a.split, a.M, nb0, nb1, y, N);
+#if TM_AMX_COMPILES
+    else if (a.amx8.q != nullptr && all && tm_amx8::folds(w.fmt)) tm_amx8::blocks(w, a.amx8, nb0, nb1, y, N);
+#endif
     else tm_vnni::blocks<kTerms>(w, a, m0, m1, N, nb0, nb1, y);
   }
 
-  // The rows' int8 terms where a wants them, and their bf16 terms where a carries a split (the
-  // thread of the last rows zeroes the padding to whole tiles).
+  // The rows' int8 terms where a wants them, and their bf16 terms where a carries a split, or their
+  // per-256 int8 terms where a carries those (the thread of the last rows zeroes the padding to
+  // whole tiles).
   static void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, const tm_vnni::Acts& a) {
     if (a.int8) tm_vnni::quantize_rows<kTerms>(x, K, m0, m1, a);
     if (a.split.hi != nullptr) tm_amx::split_into(x, m0, m1 == a.M ? a.split.Mp : m1, a.M, a.split);
+    if (a.amx8.q != nullptr) tm_amx8::quantize_rows(x, m0, m1 == a.M ? a.amx8.Mp : m1, a.amx8);
   }
 
   // Groups [g0, g1) of row m of a G-group row rounded into a (x: the row's values from group g0), by

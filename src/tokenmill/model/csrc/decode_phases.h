@@ -148,9 +148,13 @@ inline Scratch make_scratch(const StackBase& s, int64_t T, int64_t partial_size,
   // splits its rows for them (quant_amx.h).
   const bool split = amx_kit && T >= tm_amx::kAmxMinRows && tm_amx::amx_ready();
   const int64_t n_split = split ? tm_amx::split_floats(T, max_k) + 16 : 0;
+  // Fewer rows, from tm_amx8::kAmx8MinRows: each row also as two int8 terms per 256 inputs, for the
+  // AMX-INT8 tiles of the formats that fold (quant_amx8.h), where K is whole super-blocks.
+  const bool amx8 = amx_kit && !split && T >= tm_amx8::kAmx8MinRows && tm_amx8::ready();
+  const int64_t n_amx8 = amx8 ? tm_amx8::acts8_floats(T, max_k) + 16 : 0;
   Scratch b;
-  b.buffer = at::empty({2 * n_h + n_zero + n_qkv + 2 * n_q + n_k + n_gu + n_act + n_acts + partial_size + n_split + 16},
-                       options);
+  b.buffer = at::empty(
+      {2 * n_h + n_zero + n_qkv + 2 * n_q + n_k + n_gu + n_act + n_acts + partial_size + n_split + n_amx8 + 16}, options);
   b.h = b.buffer.data_ptr<float>();  // normed input of the next linear
   b.delta = b.h + n_h;  // o_proj's, then down's output
   b.zero = zero_rows ? b.delta + n_h : nullptr;
@@ -174,6 +178,12 @@ inline Scratch make_scratch(const StackBase& s, int64_t T, int64_t partial_size,
     b.a_inter.split = tm_amx::make_split(split_base, T, s.inter);
     b.a_hidden.int8 = hidden_int8;  // every other reader of these takes all T rows: the split
     b.a_attn.int8 = b.a_inter.int8 = false;
+  }
+  if (amx8) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(acts_base + n_acts);
+    float* base = reinterpret_cast<float*>((at + 63) & ~uintptr_t{63});
+    for (auto [a, K] : {std::pair{&b.a_hidden, s.hidden}, {&b.a_attn, s.nq * s.hd}, {&b.a_inter, s.inter}})
+      if (K % tm_amx8::kSuperInputs == 0) a->amx8 = tm_amx8::make_acts8(base, T, K);
   }
   return b;
 }

@@ -19,6 +19,7 @@
 #include "fused_ops.h"
 #include "paged_attention.h"
 #include "quant_amx.h"
+#include "quant_amx8.h"
 #include "quant_avx2.h"
 #include "quant_vnni.h"
 #include "decode_phases.h"

@@ -41,17 +41,7 @@ namespace tm_flash {
 #if TM_AMX_COMPILES
 
 // Every tile 16 rows x 64 bytes: C (16 x 16 fp32), A (16 x 32 bf16) and B (16 pairs x 16 columns).
-// (A static object: GCC's `_tile_loadconfig` tells the compiler it reads 8 bytes, so stores to a
-// local configuration past those may be dropped as dead.)
-TA_TARGET TA_INLINE void configure() {
-  static const tm_amx::TileConfig config = [] {
-    tm_amx::TileConfig c{};
-    c.palette_id = 1;
-    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-    return c;
-  }();
-  _tile_loadconfig(&config);
-}
+TA_TARGET TA_INLINE void configure() { _tile_loadconfig(&tm_amx::full_tiles()); }
 
 // Keys a chunk: the running max is updated (and the outputs rescaled) once a chunk, and a chunk's
 // scores and weights (up to 4 heads x 256 keys x 16 queries, fp32 and bf16: 96 kB) stay in L1 / L2

@@ -7,6 +7,7 @@
 
 #include <immintrin.h>
 
+#include "quant_amx8_acts.h"
 #include "quant_amx_acts.h"
 #include "quant_blocks.h"
 
@@ -30,6 +31,9 @@ struct Acts {
   // The same rows as two bf16 terms for the AMX tiles, where a fused step of enough rows on a CPU
   // with them has them (decode_kits.h rounds both); empty otherwise.
   tm_amx::SplitActs split{};
+  // The same rows as two int8 terms per 256 inputs for the AMX-INT8 tiles, where a fused step of a
+  // few dozen rows on a CPU with them has them (quant_amx8.h); empty otherwise.
+  tm_amx8::Acts8 amx8{};
   // Whether the int8 terms above are rounded at all: not where the split serves every reader (a
   // fused step's linears over all its rows; a MoE layer's experts gather int8 rows).
   bool int8 = true;

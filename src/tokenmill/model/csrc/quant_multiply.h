@@ -1,12 +1,14 @@
 #pragma once
 // y = x @ W^T on the column-blocked weights for any number of rows: the VNNI kernel (quant_vnni.h),
-// or AMX-BF16 tiles (quant_amx.h) for two-term steps of many rows where the CPU has them.
+// AMX-BF16 tiles (quant_amx.h) for two-term steps of many rows where the CPU has them, or AMX-INT8
+// tiles (quant_amx8.h) for steps of a few dozen rows of the formats whose sub-block scales fold.
 //
 // Why a header: the linear ops (quant_vnni.cpp) and the MoE experts op (moe_experts.cpp), which runs
 // it for one expert on each thread, call the same function, so both compute the same bits.
 
 #include "blocked_ops.h"
 #include "quant_amx.h"
+#include "quant_amx8.h"
 #include "quant_vnni.h"
 
 namespace tm_vnni {
@@ -15,13 +17,29 @@ namespace {
 // y [M, N] = x @ W^T for weights side by side (one, or the parts of a fused linear: part i's column
 // blocks start at block0[i]; block0 ends with N / 16). x float32 [M, K], contiguous.
 // amx: steps of two terms and tm_amx::kAmxMinRows+ rows may run AMX-BF16 tiles instead (quant_amx.h),
-// where the CPU has them.
+// and in those of tm_amx8::kAmx8MinRows+ rows the parts of the formats that fold AMX-INT8 tiles
+// (quant_amx8.h), where the CPU has them. amx8: those parts on the AMX-INT8 tiles at any rows (up to
+// kAmxMinRows + 16; tests and benchmarks).
 at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
-                    int64_t terms, bool amx) {
+                    int64_t terms, bool amx, bool amx8 = false) {
   const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
-  if (amx && terms == 2 && M >= tm_amx::kAmxMinRows && tm_amx::amx_ready()) return tm_amx::multiply(x, w, block0);
+  if (!amx8 && amx && terms == 2 && M >= tm_amx::kAmxMinRows && tm_amx::amx_ready()) return tm_amx::multiply(x, w, block0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
+  // The AMX-INT8 tiles' rows: rounded once for every part that folds.
+  tm_amx8::Acts8 a8;
+  at::Tensor a8_buf;
+#if TM_AMX_COMPILES
+  const bool folding = std::any_of(w.begin(), w.end(), [](const Weights& wi) { return tm_amx8::folds(wi.fmt); });
+  if (folding && K % tm_amx8::kSuperInputs == 0 && tm_amx8::ready() &&
+      (amx8 || (amx && terms == 2 && M >= tm_amx8::kAmx8MinRows))) {
+    TORCH_CHECK(M <= tm_amx::kAmxMinRows + tm_amx8::kTileRows, "AMX-INT8 tiles: unsupported shape");
+    a8_buf = at::empty({tm_amx8::acts8_floats(M, K) + 16}, x.options());
+    const uintptr_t at = reinterpret_cast<uintptr_t>(a8_buf.data_ptr<float>());
+    a8 = tm_amx8::make_acts8(reinterpret_cast<float*>((at + 63) & ~uintptr_t{63}), M, K);
+    tm_amx8::quantize_rows(x.data_ptr<float>(), 0, a8.Mp, a8);
+  }
+#endif
   at::Tensor scratch;
   const Acts a = acts_scratch(M, K, terms, x, scratch);
   const float* xp = x.data_ptr<float>();
@@ -36,11 +54,17 @@ at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const st
       const int64_t lo = std::max(b0, block0[i]), hi = std::min(b1, block0[i + 1]);
       if (lo >= hi) continue;
       float* yi = yp + block0[i] * kCols;
+#if TM_AMX_COMPILES
+      if (a8.q != nullptr && tm_amx8::folds(w[i].fmt)) {
+        tm_amx8::blocks(w[i], a8, lo - block0[i], hi - block0[i], yi, N);
+        continue;
+      }
+#endif
       if (terms == 2) blocks<2>(w[i], a, m0, m1, N, lo - block0[i], hi - block0[i], yi);
       else blocks<1>(w[i], a, m0, m1, N, lo - block0[i], hi - block0[i], yi);
     }
   };
-  if (M >= kSplitRowsFrom && N * K <= kSplitRowsMaxWeights) {
+  if (a8.q == nullptr && M >= kSplitRowsFrom && N * K <= kSplitRowsMaxWeights) {
     // Threads take rows (full tiles each, at least 8 rows), every thread rounding its own rows: the
     // rounding (~13 ns a group and row, 30 us of K = 1536 x 48 rows) is split too, with no second
     // fork or barrier. Each thread reads every weight: little against 16 rows' compute for a layer's
@@ -51,7 +75,7 @@ at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const st
     });
   } else {
     // Threads take column blocks, at least ~32k weights each (small layers do not pay a fork for
-    // nothing); the rows are rounded once, before.
+    // nothing); the rows are rounded once, before (the AMX-INT8 tiles take all rows of a block).
     round(0, M);
     const int64_t grain = std::max<int64_t>(1, 32768 / (kCols * K));
     at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) { go(0, M, b0, b1); });

@@ -23,6 +23,16 @@ at::Tensor linear_amx(const at::Tensor& x_in, const at::Tensor& codes, const at:
   return tm_amx::multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols});
 }
 
+// The same on AMX-INT8 tiles (tests and benchmarks; `linear` picks by rows and format): 1 to
+// tm_amx::kAmxMinRows + 15 rows of a format that folds (quant_amx8.h).
+at::Tensor linear_amx8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                       const at::Tensor& subs, int64_t fmt, int64_t N) {
+  TORCH_CHECK(tm_amx8::ready(), "this process cannot run AMX-INT8 tiles");
+  TORCH_CHECK(tm_amx8::folds(fmt), "AMX-INT8 tiles: format ", fmt, " does not fold its sub-block scales");
+  const at::Tensor x = checked_x(x_in, 2);
+  return multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, 2, true, true);
+}
+
 // Several weights over the same x, outputs side by side in one y [M, sum N] (a fused q/k/v whose parts a
 // GGUF mix stores in different formats: Q4_K_M's q / k in Q4_K and v in Q6_K). x is rounded once
 // and each part's blocks write their columns in place: one call instead of a call per part, the
@@ -152,6 +162,7 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, co
 
 bool supported() { return vnni_supported(); }
 bool amx_supported() { return vnni_supported() && tm_amx::amx_ready(); }
+bool amx8_supported() { return vnni_supported() && tm_amx8::ready(); }
 int64_t amx_min_rows() { return tm_amx::kAmxMinRows; }
 
 }  // namespace
@@ -169,7 +180,10 @@ TORCH_LIBRARY(tokenmill_vnni, m) {
         "int K) -> ()", &dequantize_bf16_into);
   m.def("linear_amx(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N) -> Tensor",
         &linear_amx);
+  m.def("linear_amx8(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N) -> Tensor",
+        &linear_amx8);
   m.def("supported() -> bool", &supported);
+  m.def("amx8_supported() -> bool", &amx8_supported);
   m.def("amx_supported() -> bool", &amx_supported);
   m.def("amx_min_rows() -> int", &amx_min_rows);
 }

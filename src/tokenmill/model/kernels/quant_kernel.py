@@ -62,10 +62,16 @@ def amx_available() -> bool:
     return vnni_available() and bool(torch.ops.tokenmill_vnni.amx_supported())
 
 
+def amx8_available() -> bool:
+    """Whether two-term steps of a few dozen rows of the super-block formats run on AMX-INT8 tiles here
+    (csrc/quant_amx8.h)."""
+    return vnni_available() and bool(torch.ops.tokenmill_vnni.amx8_supported())
+
+
 def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2, amx: bool = True) -> torch.Tensor:
     """terms: int8 terms per activation (2: ~15 bits, near fp32 quality; 1: llama.cpp's Q8). amx=False
-    keeps two-term steps of many rows on the VNNI kernel where they would take AMX-BF16 tiles (tests of
-    the VNNI arithmetic)."""
+    keeps two-term steps of many rows on the VNNI kernel where they would take AMX tiles (tests of the
+    VNNI arithmetic)."""
     if blocked_kernel() == "vnni":
         return torch.ops.tokenmill_vnni.linear(x, *blocked_args(w), terms, amx)
     return _blocked_ops().linear(x, *blocked_args(w), terms)
@@ -74,6 +80,12 @@ def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2, amx: bool 
 def blocked_linear_amx(x: torch.Tensor, w: BlockedWeight) -> torch.Tensor:
     """x @ w.T on AMX-BF16 tiles at any row count (where amx_available())."""
     return torch.ops.tokenmill_vnni.linear_amx(x, *blocked_args(w))
+
+
+def blocked_linear_amx8(x: torch.Tensor, w: BlockedWeight) -> torch.Tensor:
+    """x @ w.T on AMX-INT8 tiles (where amx8_available()), 1-64 rows of a format that folds its sub-block
+    scales (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)."""
+    return torch.ops.tokenmill_vnni.linear_amx8(x, *blocked_args(w))
 
 
 def bound_blocked_linear(w: BlockedWeight, terms: int = 2):
