@@ -41,8 +41,9 @@ using tm_vnni::Weights;
 constexpr int64_t kRows = kTileRows;  // rows of an A tile
 
 // From how many rows a step of a folding format runs here (below the AMX-BF16 tiles' kAmxMinRows):
-// Q6_K's 49,152 x 1,024 lm_head at 8 / 16 / 32 rows took 2.2 / 2.3 / 4.3 ms against the VNNI
-// kernel's 2.2 / 4.3 / 8.0 (docs/benchmarks.md, session 30).
+// Q6_K's 49,152 x 1,024 lm_head at 8 / 12 / 16 / 32 rows took 2.26 / 2.37 / 2.52 / 4.88 ms against the
+// VNNI kernel's 2.40 / 3.80 / 4.92 / 9.89, Q4_K 1,024 x 1,024 at 8 / 12 rows 0.105 / 0.059 against
+// 0.086 / 0.078 (docs/benchmarks.md, "AMX-INT8 tiles for steps of 12-47 rows").
 constexpr int64_t kAmx8MinRows = 12;
 
 // Formats whose (code - offset) x sub-block scale is an integer that two int8 planes hold.
