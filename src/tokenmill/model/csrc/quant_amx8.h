@@ -1,7 +1,8 @@
 #pragma once
 // Quantized linear layers on AMX-INT8 tiles for steps of a few dozen rows (a 16-stream decode step's
-// lm_head, an expert's rows), y[M, N] = x[M, K] @ W^T, over the column-blocked weights of the
-// super-block formats whose sub-block scales are integers (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS).
+// linears and lm_head, an expert's rows op by op), y[M, N] = x[M, K] @ W^T, over the column-blocked
+// weights of the super-block formats whose sub-block scales are integers (Q3_K, Q4_K, Q5_K, Q6_K,
+// IQ4_XS).
 //
 // Why: from ~12 rows the VNNI kernel (quant_vnni.h) is bound by its vpdpbusd (16 a group, row and
 // block for two int8 terms: the 16-stream MoE step's Q6_K lm_head took 4.3-6 ms for its 41 MB), and
@@ -12,7 +13,8 @@
 //   - each weight as (code - offset) x its integer sub-block scale: at most 14 bits, so B is two int8
 //     planes, hi = v >> 7 and lo = v & 127 (v = 128 hi + lo), decoded once per call in int16 lanes;
 //   - each activation as two int8 terms on one scale per 256 inputs (d1 = amax / 127, the residual
-//     on steps of d2 = d1 / 256: ~15 bits, as the VNNI kernel's per 32), so that the 4 x 64 inputs
+//     on steps of d2 = d1 / 256: ~15 bits of the 256 inputs' amax, where the VNNI kernel's are of
+//     its group of 32's), so that the 4 x 64 inputs
 //     of a super-block accumulate in int32 tiles: 4 products (two terms x two planes) per 64 inputs,
 //     one store and scaling per 256 (by the super-block's d) instead of per 32 or 16.
 // The mins (Q4_K, Q5_K) are added per group of 32 from the rounded activations' sums, as the VNNI
