@@ -40,8 +40,11 @@ at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const st
     tm_amx8::quantize_rows(x.data_ptr<float>(), 0, a8.Mp, a8);
   }
 #endif
+  // The VNNI kernel's rounding only where a part runs it (not when every part takes the AMX-INT8 tiles).
+  const bool vnni_parts = a8.q == nullptr ||
+                          !std::all_of(w.begin(), w.end(), [](const Weights& wi) { return tm_amx8::folds(wi.fmt); });
   at::Tensor scratch;
-  const Acts a = acts_scratch(M, K, terms, x, scratch);
+  const Acts a = vnni_parts ? acts_scratch(M, K, terms, x, scratch) : Acts{};
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   auto round = [&](int64_t m0, int64_t m1) {
@@ -76,7 +79,7 @@ at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const st
   } else {
     // Threads take column blocks, at least ~32k weights each (small layers do not pay a fork for
     // nothing); the rows are rounded once, before (the AMX-INT8 tiles take all rows of a block).
-    round(0, M);
+    if (vnni_parts) round(0, M);
     const int64_t grain = std::max<int64_t>(1, 32768 / (kCols * K));
     at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) { go(0, M, b0, b1); });
   }

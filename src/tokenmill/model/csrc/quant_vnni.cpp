@@ -24,7 +24,7 @@ at::Tensor linear_amx(const at::Tensor& x_in, const at::Tensor& codes, const at:
 }
 
 // The same on AMX-INT8 tiles (tests and benchmarks; `linear` picks by rows and format): 1 to
-// tm_amx::kAmxMinRows + 15 rows of a format that folds (quant_amx8.h).
+// tm_amx::kAmxMinRows + 16 rows of a format that folds (quant_amx8.h).
 at::Tensor linear_amx8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                        const at::Tensor& subs, int64_t fmt, int64_t N) {
   TORCH_CHECK(tm_amx8::ready(), "this process cannot run AMX-INT8 tiles");
