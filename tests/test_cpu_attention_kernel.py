@@ -297,8 +297,10 @@ def test_long_rows_split_between_threads(built, lengths, kv_heads, group, head_d
 
 
 def test_short_rows_and_many_rows_stay_whole(built):
-    """A split needs kMinRowPartPages (16) pages a part, and fewer items than 2 a thread."""
-    for lengths, threads, parts in (([300], 2, 1), ([16 * 32], 2, 2), ([900, 900], 2, 1), ([900], 1, 1)):
+    """A split needs kMinRowPartPages (8) pages a part, and fewer items than 2 a thread."""
+    cases = (([150], 2, 1), ([16 * 15], 2, 1), ([16 * 16], 2, 2), ([300], 2, 2), ([16 * 32], 2, 2), ([900, 900], 2, 1),
+             ([900], 1, 1))
+    for lengths, threads, parts in cases:
         _, _, _, table, lens = make_case(lengths, 3, 3, 64, 16)
         items = torch.ops.tokenmill_cpu.decode_attention_items(table, lens, 16, 9, 3, 64, threads)
         assert set(items[:, 4].tolist()) == {parts}, (lengths, threads, items)

@@ -213,10 +213,12 @@ constexpr int64_t kPrefetchPages = 4;
 // Longest run of one sequence's rows computed as one work item (the runner sends at most 16).
 constexpr int64_t kMaxRunRows = 16;
 constexpr int64_t kItemFields = 6;
-// A decode row split between threads (make_plan) has at least this many pages a part (256 positions at
-// pages of 16): a split costs a merge and, in the fused row step, a barrier a layer, and it measured
-// 1.34x from 600 positions on (docs/benchmarks.md, session 28); shorter rows were not measured split.
-constexpr int64_t kMinRowPartPages = 16;
+// A decode row split between threads (make_plan) has at least this many pages a part (128 positions at
+// pages of 16): a split costs a merge and, in the fused row step, a barrier a layer. It measured 1.34x
+// from 600 positions on (docs/benchmarks.md, session 28), and SmolLM2's batch-1 step 3 % faster at 260
+// and 400 positions with parts of 8 pages against 16 (its 3 KV heads on 2 threads split 2 : 1
+// otherwise); parts of 4 pages were 1.7 % faster at 300 positions and slower at 150 (session 31).
+constexpr int64_t kMinRowPartPages = 8;
 
 }  // namespace
 }  // namespace tm_attention
