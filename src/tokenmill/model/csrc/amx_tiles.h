@@ -43,6 +43,12 @@ inline bool amx_ready() {
 #endif
 }
 
+// The first 64-byte boundary at or after p: where tile operands start in a scratch allocated 16
+// floats longer than they need (a tile load's rows are 64-byte lines).
+inline float* align64(float* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
 // A tile configuration (the `ldtilecfg` operand): palette 1, tile i of rows[i] x colsb[i] bytes.
 struct alignas(64) TileConfig {
   uint8_t palette_id;

@@ -170,20 +170,17 @@ inline Scratch make_scratch(const StackBase& s, int64_t T, int64_t partial_size,
   b.a_hidden = tm_vnni::make_acts(acts_base, T, s.hidden, kTerms);
   b.a_attn = tm_vnni::make_acts(acts_base, T, s.nq * s.hd, kTerms);
   b.a_inter = tm_vnni::make_acts(acts_base, T, s.inter, kTerms);
-  if (split) {  // 64-byte aligned for the tile loads' rows
-    const uintptr_t at = reinterpret_cast<uintptr_t>(acts_base + n_acts);
-    float* split_base = reinterpret_cast<float*>((at + 63) & ~uintptr_t{63});
-    b.a_hidden.split = tm_amx::make_split(split_base, T, s.hidden);
-    b.a_attn.split = tm_amx::make_split(split_base, T, s.nq * s.hd);
-    b.a_inter.split = tm_amx::make_split(split_base, T, s.inter);
+  float* tiles_base = tm_amx::align64(acts_base + n_acts);  // the split's or the AMX-INT8 terms' (one of them)
+  if (split) {
+    b.a_hidden.split = tm_amx::make_split(tiles_base, T, s.hidden);
+    b.a_attn.split = tm_amx::make_split(tiles_base, T, s.nq * s.hd);
+    b.a_inter.split = tm_amx::make_split(tiles_base, T, s.inter);
     b.a_hidden.int8 = hidden_int8;  // every other reader of these takes all T rows: the split
     b.a_attn.int8 = b.a_inter.int8 = false;
   }
   if (amx8) {
-    const uintptr_t at = reinterpret_cast<uintptr_t>(acts_base + n_acts);
-    float* base = reinterpret_cast<float*>((at + 63) & ~uintptr_t{63});
     for (auto [a, K] : {std::pair{&b.a_hidden, s.hidden}, {&b.a_attn, s.nq * s.hd}, {&b.a_inter, s.inter}})
-      if (K % tm_amx8::kSuperInputs == 0) a->amx8 = tm_amx8::make_acts8(base, T, K);
+      if (K % tm_amx8::kSuperInputs == 0) a->amx8 = tm_amx8::make_acts8(tiles_base, T, K);
   }
   return b;
 }

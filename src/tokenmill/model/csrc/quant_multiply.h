@@ -35,8 +35,7 @@ at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const st
       (amx8 || (amx && terms == 2 && M >= tm_amx8::kAmx8MinRows))) {
     TORCH_CHECK(M <= tm_amx::kAmxMinRows + tm_amx8::kTileRows, "AMX-INT8 tiles: unsupported shape");
     a8_buf = at::empty({tm_amx8::acts8_floats(M, K) + 16}, x.options());
-    const uintptr_t at = reinterpret_cast<uintptr_t>(a8_buf.data_ptr<float>());
-    a8 = tm_amx8::make_acts8(reinterpret_cast<float*>((at + 63) & ~uintptr_t{63}), M, K);
+    a8 = tm_amx8::make_acts8(tm_amx::align64(a8_buf.data_ptr<float>()), M, K);
     tm_amx8::quantize_rows(x.data_ptr<float>(), 0, a8.Mp, a8);
   }
 #endif
