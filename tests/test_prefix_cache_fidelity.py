@@ -1,6 +1,7 @@
 """With the prefix cache on, greedy output of the bundled model stays token-identical to the cache
 off and to transformers, for prompts that hit 0%, part of and all of their prefix; and each request
-reports exactly the page-aligned prefix it shared."""
+reports exactly the prefix it shared: its whole cached pages and the part of a cached page that
+continues them (copied into a page of its own)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def prompts_and_refs() -> dict[str, tuple[list[int], list[int] | None]]:
         "long": (long_prompt, reference(long_prompt)),
         "chat": (chat, reference(chat)),
         "branch": (long_prompt[:200] + short, None),  # shares 200 tokens with the long prompt
-        "aligned": (long_prompt[:320], None),  # page-aligned: its last page is recomputed on a hit
+        "aligned": (long_prompt[:320], None),  # page-aligned: its last token is recomputed on a hit
     }
 
 
@@ -79,19 +80,15 @@ def test_greedy_output_is_the_same_with_and_without_the_prefix_cache():
     assert tokens == {n: refs[n] for n in ("short", "long")}
     assert cached == {"short": 0, "long": 0}
 
-    # Warm: full hits (the last prompt token still computed), a branch off the long prompt, an
-    # aligned prompt whose last page is recomputed, and a prompt with nothing in common.
+    # Warm: full hits (the last prompt token still computed; the cached prompt + output holds the
+    # prompt's last partial page), a branch off the long prompt at token 200 (12 whole pages and 8
+    # tokens of the 13th), an aligned prompt, and a prompt with nothing in common.
     names = ["long", "short", "branch", "aligned", "chat"]
     tokens, cached = generate(on, names)
     assert {n: tokens[n] for n in refs} == refs
     n_long, n_short = len(table["long"][0]), len(table["short"][0])
-    assert cached == {
-        "long": (n_long - 1) // PAGE * PAGE,
-        "short": (n_short - 1) // PAGE * PAGE,
-        "branch": 192,
-        "aligned": 320 - PAGE,
-        "chat": 0,
-    }
+    assert n_short < PAGE and n_long % PAGE
+    assert cached == {"long": n_long - 1, "short": n_short - 1, "branch": 200, "aligned": 319, "chat": 0}
     stats = on.stats()
     assert stats["prefix_cache_hit_tokens_total"] == sum(cached.values()) and stats["kv_pages_cached"] > 0
     assert stats["kv_pages_in_use"] == 0

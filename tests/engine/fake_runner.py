@@ -35,6 +35,7 @@ class FakeRunner:
         self.steps: list[list[tuple[int, int, bool]]] = []  # per step: (start, len, sample)
         self.read_only_pages: Callable[[], set[int]] | None = None  # pages no chunk may write
         self.idle_releases = 0  # times the engine, left without requests, had its idle memory dropped
+        self.copies: list[tuple[int, int]] = []  # copy_page calls: (src, dst)
 
     def release_idle_memory(self) -> None:
         self.idle_releases += 1
@@ -80,6 +81,15 @@ class FakeRunner:
 
     def shutdown(self) -> None:
         """Nothing to stop (the real runner stops its tensor-parallel ranks here)."""
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """A page's "K/V" copied: its slots' token ids (engine/scheduler.py copies a cached page a
+        request continues part way). The copy goes into a page the tree does not own."""
+        frozen = self.read_only_pages() if self.read_only_pages is not None else set()
+        assert src in frozen and dst not in frozen, f"copy of page {src} into {dst}: not from the tree into a request's"
+        size = self.page_size
+        self.copies.append((src, dst))
+        self.slots[dst * size:(dst + 1) * size] = self.slots[src * size:(src + 1) * size]
 
     # ---- the disk tier's page IO: a page's "K/V" are the token ids in its slots -------------------
     def page_layout(self) -> tuple[str, int]:

@@ -76,6 +76,27 @@ def test_prefix_cache_and_preemption_serve_int8_rows(folder):
     small.check_integrity()
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_a_match_part_way_into_a_cached_page_computes_the_rest_only(folder, dtype):
+    # The runner's page copy carries every tensor of a page (int8: codes and scales): a repeated
+    # prompt computes its last token and a branch at token 30 the tokens after it, with the tokens
+    # of a cold engine.
+    p = prompt(20, 40)
+    prompts = [p, p, p[:30] + prompt(21, 9)]
+    cold = [greedy(engine(folder, dtype), [q], 12)[0] for q in prompts]
+    warm = engine(folder, dtype)
+    out = [greedy(warm, [q], 12, f"t{i}")[0] for i, q in enumerate(prompts)]
+    assert out == cold
+    assert warm.stats()["prefix_cache_hit_tokens_total"] == 39 + 30
+    assert warm.prompt_tokens_computed_total == 40 + 1 + 9
+    runner = warm.runner
+    runner.copy_page(1, 7)
+    for layer in runner.kv_caches:
+        for t in layer:
+            assert torch.equal(t[:, 7 * 16:8 * 16], t[:, 16:32])
+    warm.check_integrity()
+
+
 def test_exact_mode_refuses_int8_by_name():
     with pytest.raises(InvalidRequest, match="kv_cache_dtype") as err:
         EngineConfig(precision="exact", kv_cache_dtype="int8")

@@ -46,27 +46,67 @@ PROMPT = [(i * 7) % 45 + 1 for i in range(40)]  # 40 tokens: pages 0-1 full, pag
 
 
 @pytest.mark.parametrize(
-    "second,cached",
+    "second,cached,whole_pages",
     [
-        (PROMPT, 32),  # a full hit still recomputes the last token: 39 rounded down to a page
-        (PROMPT[:35] + [3, 3, 3], 32),  # shares 35 tokens: two whole pages
-        (PROMPT[:32], 16),  # exactly two pages: the second is recomputed for its last token
-        (PROMPT[:20] + [5] * 30, 16),
-        (PROMPT[:15] + [5] * 30, 0),  # less than a page in common
-        ([9] + PROMPT[1:], 0),
+        # A full hit still recomputes the last token. Page 2 of the first request never filled (40
+        # prompt tokens + 3 outputs with K/V), so only whole pages 0-1 are in the tree.
+        (PROMPT, 32, 32),
+        (PROMPT[:35] + [3, 3, 3], 32, 32),  # shares 35 tokens: two whole pages
+        # Exactly two pages: page 1 holds its 15 tokens before the last one, copied.
+        (PROMPT[:32], 31, 16),
+        (PROMPT[:20] + [5] * 30, 20, 16),  # a page and 4 tokens of the next
+        (PROMPT[:15] + [5] * 30, 15, 0),  # less than a page in common: the copy is all of it
+        ([9] + PROMPT[1:], 0, 0),
     ],
 )
-def test_cached_tokens_equal_the_shared_page_aligned_prefix(second, cached):
+@pytest.mark.parametrize("copies", [True, False])
+def test_cached_tokens_equal_the_shared_prefix(second, cached, whole_pages, copies):
+    """With the runner's page copy a request takes every token of the cached pages that continue its
+    prompt (the last one excepted); without it, whole pages only."""
     engine, runner = make_engine(page_size=16)
+    if not copies:
+        engine.scheduler.copy_page = None
+        cached = whole_pages
     run(engine, "a", PROMPT)
     log = spy_on_schedule(engine)
     _, reported = run(engine, "b", second)
     assert reported == cached
     assert log[0] == [("b", cached, len(second) - cached)]  # it computes only the rest
+    assert len(runner.copies) == (cached > whole_pages)
     stats = engine.stats()
     assert stats["prefix_cache_hit_tokens_total"] == cached
     assert stats["prefix_cache_queries_tokens_total"] == len(PROMPT) + len(second)
     assert stats["prefix_cache_hit_rate"] == pytest.approx(cached / (len(PROMPT) + len(second)))
+
+
+def test_a_partial_page_is_copied_into_the_requests_own_page():
+    engine, runner = make_engine(page_size=16)
+    run(engine, "a", PROMPT[:24], max_tokens=12)  # 35 positions with K/V: pages 0-1 go to the tree
+    tree_pages = set(engine.scheduler.cache.all_pages())
+    engine.add_request("b", PROMPT[:24], greedy(3))
+    engine.step()
+    (b,) = engine.scheduler.running
+    assert b.num_cached_tokens == 23 and b.num_tree_pages == 1
+    (src, dst), = runner.copies
+    assert src in tree_pages and dst == b.pages[1] and dst not in tree_pages
+    run_to_completion(engine)
+    engine.check_integrity()
+
+
+def test_a_copy_admission_that_finds_no_room_unlocks_the_page_it_would_copy():
+    # 5 pages: "a" leaves pages 0-1 cached, "c" takes the other 3. "b" (a full hit: page 0 shared,
+    # 7 tokens of page 1 to copy) finds no page for its own while "c" runs: it waits, holding no lock.
+    engine, runner = make_engine(page_size=16, kv_cache_tokens=80, max_num_seqs=4)
+    run(engine, "a", PROMPT[:24], max_tokens=12)
+    engine.add_request("c", [7] * 40, greedy(8))
+    engine.step()
+    engine.add_request("b", PROMPT[:24], greedy(3))
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["c"] and not runner.copies
+    engine.check_integrity()  # lock counts: only "c"'s own path
+    outputs = run_to_completion(engine)
+    assert outputs["b"] == reference_output(PROMPT[:24], 3) and len(runner.copies) == 1
+    engine.check_integrity()
 
 
 def test_output_tokens_are_cached_too():

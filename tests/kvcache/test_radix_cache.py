@@ -54,6 +54,28 @@ def test_a_match_ending_inside_an_edge_splits_it():
     check(cache, pool)
 
 
+def test_partial_page_finds_the_cached_page_that_continues_a_match_furthest():
+    cache = RadixCache(PagePool(32, 4))
+    pool = cache.pool
+    first = cache.insert([1, 2, 3, 4, 5, 6, 7, 8], pool.allocate(2)).pages
+    second = cache.insert([1, 2, 3, 4, 5, 6, 9, 9, 1, 1, 1, 1], pool.allocate(3)).pages[1:]
+    other = cache.insert([5, 5, 5, 5], pool.allocate(1)).pages
+    m = cache.match([1, 2, 3, 4])
+    node, n = cache.partial_page(m, [5, 6, 9])  # both children start 5, 6; one goes on with 9
+    assert (node.pages[0], n) == (second[0], 3) and node.pages == second
+    node, n = cache.partial_page(m, [5, 6, 7])
+    assert (node.pages[0], n) == (first[1], 3)
+    node, n = cache.partial_page(m, [5, 1, 1])
+    assert n == 1 and node.pages[0] in (first[1], second[0])
+    assert cache.partial_page(m, [6, 6]) is None and cache.partial_page(m, []) is None
+    # From the root (nothing matched in whole pages): the first page itself.
+    root = cache.match([])
+    node, n = cache.partial_page(root, [5, 5, 5])
+    assert (node.pages, n) == (other, 3)
+    assert cache.partial_page(cache.match([], "unknown salt"), [1, 2]) is None
+    cache.check_integrity([])
+
+
 def test_insert_of_a_branch_splits_and_keeps_the_shared_pages():
     cache, pool = make()
     first = put(cache, pool, [1, 2, 3, 4, 5, 6])

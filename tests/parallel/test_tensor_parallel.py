@@ -57,6 +57,12 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, arch):
         # embedding steps too (rank 0 pools, every rank runs the same forward)
         for got, ref in zip(two.embed(PROMPTS), vectors):
             assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-5
+        # The long prompt again: it takes all but its last token from the prefix cache, the part of
+        # a page it continues copied on every rank (each holds its own heads of that page).
+        again = two.generate(PROMPTS[1:2], GREEDY)[0]
+        assert again.outputs[0].token_ids == expected[1]
+        assert again.num_cached_tokens == len(again.prompt_token_ids) - 1 > 16
+        assert again.num_cached_tokens % 16, "a prompt that needs no partial page tests nothing here"
         two.check_integrity()
         workers = [p.pid for p in two.engine.runner.workers]
     assert len(workers) == 1 and _gone(workers[0], 10), "rank 1 outlived shutdown()"

@@ -80,6 +80,7 @@ class EngineCore:
             self.pool, config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
             make_policy(config.scheduling_policy), getattr(runner, "kv_layout", None),
         )
+        self.scheduler.copy_page = getattr(runner, "copy_page", None)  # tests' fake runners have none
         self.sampler = Sampler(vocab_size, sorted(self.eos_token_ids), seed=config.seed)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0

@@ -158,6 +158,29 @@ class RadixCache:
             node = child
         return PrefixMatch(node, pages, window)
 
+    def partial_page(self, match: PrefixMatch, tokens: list[int]) -> tuple[RadixNode, int] | None:
+        """The cached page that continues `match` furthest into `tokens` (the tokens after the match,
+        fewer than a page): the child of the match's end whose first page starts with the most of
+        them, and how many (at least one). None when no child starts with the first of them.
+
+        The tree shares whole pages only; a caller that wants those tokens' K/V copies the page
+        (child.pages[0]) into a page of its own, locking the child until it has.
+        """
+        if match.node is None or not tokens:
+            return None
+        best, best_n = None, 0
+        for child in match.node.children.values():
+            if child.key[0] != tokens[0]:
+                continue
+            n = 1
+            while n < len(tokens) and child.key[n] == tokens[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = child, n
+                if n == len(tokens):
+                    break
+        return (best, best_n) if best is not None else None
+
     def insert(self, tokens: list[int], pages: list[int], salt: str | None = None,
                window: list[list[int | None]] | None = None) -> PrefixMatch:
         """Caches `pages` as the KV of `tokens`; returns the tree's node and pages for all of `tokens`.

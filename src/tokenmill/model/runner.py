@@ -190,6 +190,16 @@ class ModelRunner:
                 t.view(heads, -1, size, *rest)[:, index] = part.transpose(0, 1)
                 offset += nbytes
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page `dst` becomes a copy of page `src`, every layer's K/V: a request whose prefix-cache match
+        continues part way into a cached page starts its own page from it (engine/scheduler.py)."""
+        self._zero_new_pages(max(src, dst) + 1)  # zeroing ahead later must not wipe the copy
+        lo, hi = src * self.page_size, (src + 1) * self.page_size
+        at = dst * self.page_size
+        for layer in self._kv_tensors:
+            for t in layer:
+                t[:, at : at + self.page_size] = t[:, lo:hi]
+
     @staticmethod
     def _logit_rows(chunks: list[SeqChunk], order: list[int], last_rows: list[int]) -> list[int]:
         """Hidden rows to turn into logits, in the caller's chunk order: every row of an `all_logits`

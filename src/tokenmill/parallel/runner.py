@@ -10,6 +10,7 @@ runs its shard, meeting rank 0 at each layer's all-reduce. Logits come back on e
 from __future__ import annotations
 
 import logging
+import struct
 import subprocess
 import weakref
 
@@ -25,6 +26,7 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode_chunks = msgspec.msgpack.Decoder(list[SeqChunk]).decode
 STOP = b""  # an empty step: the ranks leave their loop
 IDLE = b"idle"  # rank 0's engine has no request left: the ranks drop their idle memory (not msgpack of a list)
+COPY = b"copy"  # followed by two int64 page ids: each rank copies page src to dst in its own pool
 
 
 class TensorParallelRunner:
@@ -53,6 +55,11 @@ class TensorParallelRunner:
         # The other ranks run `execute` on the same chunks: the same forward and the same collectives.
         self.group.broadcast_bytes(_encode(chunks))
         return self.inner.execute_pooled(chunks)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copies a page in every rank's pool (each holds its own KV heads of it)."""
+        self.group.broadcast_bytes(COPY + struct.pack("<qq", src, dst))
+        self.inner.copy_page(src, dst)
 
     def release_idle_memory(self) -> None:
         """Drops this rank's idle memory and tells the other ranks to drop theirs (their large steps'
@@ -90,6 +97,9 @@ def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> int:
             return steps
         if payload == IDLE:
             runner.release_idle_memory()
+            continue
+        if payload.startswith(COPY):
+            runner.copy_page(*struct.unpack("<qq", payload[len(COPY):]))
             continue
         runner.execute(_decode_chunks(payload))
         steps += 1
