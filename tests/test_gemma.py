@@ -98,6 +98,15 @@ def test_hybrid_runner_attends_each_group_through_its_own_pages(tiny):
         held = [[None] * first_needed + pages[first_needed:] for pages in window]
         logits = runner.execute([SeqChunk(chunk, start, full, sample=True, all_logits=True, window_pages=held)])
         torch.testing.assert_close(logits, ref[start:start + len(chunk)], atol=ATOL, rtol=0)
+    # Page 4 (positions 16-19) copied in every group serves as the original: what the scheduler does
+    # for a prompt that continues a cached page part way (engine/scheduler.py `_copy_tail`).
+    for src, dst in [(full[4], 22), (window[0][4], 23), (window[1][4], 24)]:
+        runner.copy_page(src, dst)
+    first_needed = max(0, 18 - GEMMA_WINDOW + 1) // 4
+    held = [[None] * first_needed + pages[first_needed:4] + [copy] + pages[5:] for pages, copy in zip(window, (23, 24))]
+    logits = runner.execute([SeqChunk(PROMPT[18:], 18, full[:4] + [22] + full[5:], sample=True, all_logits=True,
+                                      window_pages=held)])
+    torch.testing.assert_close(logits, ref[18:], atol=ATOL, rtol=0)
     # Decode rows of two sequences at once, one of them far past the window.
     logits = runner.execute([SeqChunk([PROMPT[-1]], len(PROMPT) - 1, full, sample=True,
                                       window_pages=[[None] * 3 + pages[3:] for pages in window])])

@@ -183,6 +183,35 @@ def test_prefix_hit_needs_the_window_before_the_match():
     assert outs["again"] == done and cached["again"] == 40
 
 
+def test_a_repeated_prompt_copies_its_partial_page_in_every_group():
+    engine, runner = hybrid_engine(kv_cache_tokens=512, max_num_batched_tokens=64)
+    rng = random.Random(12)
+    first = [rng.randrange(1, VOCAB) for _ in range(43)]
+    engine.add_request("first", first, greedy(8))
+    done = run_to_completion(engine)["first"]
+    # 50 positions with K/V: pages 0-11 in the tree, the sliding groups' pages 7-11 (two windows).
+    engine.add_request("again", first, greedy(8))
+    engine.step()
+    (again,) = engine.scheduler.running
+    # 10 whole pages (the window before position 40 is held), then 2 tokens of page 10, copied in
+    # group 0 and in both sliding groups; the runner checks each group's window on every row.
+    assert again.num_cached_tokens == 42 and again.num_tree_pages == 10
+    assert [dst for _, dst in runner.copies] == [again.pages[10]] + [pages[10] for pages in again.window_pages]
+    engine.check_integrity()
+    assert run_to_completion(engine)["again"] == done[1:]
+    engine.check_integrity()
+    # A longer first answer slides the groups past page 10 (the tree gets pages 7-9 and 13-15 of
+    # them): no sliding page for that position, so no copy, whole pages only.
+    engine, runner = hybrid_engine(kv_cache_tokens=512, max_num_batched_tokens=64)
+    engine.add_request("long", first, greedy(20))
+    run_to_completion(engine)
+    engine.add_request("again", first, greedy(8))
+    engine.step()
+    assert engine.scheduler.running[0].num_cached_tokens == 40 and not runner.copies
+    assert run_to_completion(engine)["again"] == done[1:]
+    engine.check_integrity()
+
+
 def test_samples_of_one_prompt_prefill_it_once():
     engine, _ = hybrid_engine(kv_cache_tokens=512, max_num_batched_tokens=16)
     prompt = [(7 * i) % 43 + 1 for i in range(45)]
@@ -207,7 +236,7 @@ def test_usable_prefix_rule():
 
 def test_randomized_turns_with_eviction():
     rng = random.Random(21)
-    engine, _ = hybrid_engine(kv_cache_tokens=90 * PAGE, max_num_batched_tokens=24, max_num_seqs=5)
+    engine, runner = hybrid_engine(kv_cache_tokens=90 * PAGE, max_num_batched_tokens=24, max_num_seqs=5)
     history: list[list[int]] = []
     expected: dict[str, list[int]] = {}
     outputs: dict[str, list[int]] = {}
@@ -232,6 +261,7 @@ def test_randomized_turns_with_eviction():
     assert outputs == expected
     stats = engine.stats()
     assert hits > 0 and stats["kv_pages_evicted"] > 0
+    assert len(runner.copies) > 3  # partial pages copied in every group, windows checked on each row
     assert engine.reset_prefix_cache() and engine.pool.num_free == engine.pool.num_pages
 
 

@@ -11,8 +11,8 @@ the tree changes while it waits, and a lock held in the queue would pin pages no
 It locks the matched path and starts at `num_computed_tokens` = the matched length. The tree shares
 whole pages; where a cached page continues the match part way (the same prompt sent again: its last
 partial page lies inside the cached prompt + output), the request's first page of its own starts as
-a copy of that page (`copy_page`, the runner's) and those tokens count as computed too, so a repeated
-prompt computes its last token, not up to a page of them.
+a copy of that page, in every KV group (`copy_page`, the runner's), and those tokens count as
+computed too, so a repeated prompt computes its last token, not up to a page of them.
 
 Requests with the same prompt (n samples of one prompt: same `prefill_group`) would all miss the
 cache if admitted in the same step. So while one of them is running and has full prompt pages still
@@ -281,11 +281,11 @@ class Scheduler:
         return match
 
     def _match_tail(self, request: Request, match: PrefixMatch | None) -> RadixNode | None:
-        """The node whose first page continues `match` part way into the request's next page, locked
-        until `_copy_tail` copies that page; those tokens now count as computed. None when no cached
-        page does, or pages cannot be copied (no `copy_page`; hybrid models, whose sliding groups
-        would need their pages too)."""
-        if match is None or self.copy_page is None or self.windows is not None:
+        """The node whose first page continues `match` part way into the request's next page, held
+        (locked; its sliding groups' pages of that position referenced) until `_copy_tail` copies
+        them; those tokens now count as computed. None when no cached page does, a sliding group
+        lacks that position's page, or the runner cannot copy pages (no `copy_page`)."""
+        if match is None or self.copy_page is None:
             return None
         assert self.cache is not None
         start = request.num_computed_tokens
@@ -294,21 +294,34 @@ class Scheduler:
         if found is None:
             return None
         node, n = found
+        window = [pages[0] for pages in node.window]  # [] without sliding groups
+        if None in window:
+            return None  # the window before the match's end is the match's; this page's must be there too
+        self.cache.ref_window(window)
         self.cache.lock(node)
         request.num_computed_tokens += n
         return node
 
     def _copy_tail(self, request: Request, tail: RadixNode) -> None:
-        """The request's page after its shared ones starts as a copy of `tail`'s first page (the
-        positions past the matched tokens are overwritten as it computes them)."""
+        """The request's page after its shared ones starts as a copy of `tail`'s first page, in every
+        KV group (the positions past the matched tokens are overwritten as it computes them)."""
         assert self.cache is not None and self.copy_page is not None
-        self.copy_page(tail.pages[0], request.pages[request.num_tree_pages])
+        k = request.num_tree_pages
+        self.copy_page(tail.pages[0], request.pages[k])
+        for src, mine in zip((pages[0] for pages in tail.window), request.window_pages or []):
+            self.copy_page(src, mine[k])
+        self._let_go(tail)
+
+    def _let_go(self, tail: RadixNode) -> None:
+        assert self.cache is not None
+        self.cache.unref_window(pages[0] for pages in tail.window)
         self.cache.unlock(tail)
 
     def _unmatch_prefix(self, request: Request, tail: RadixNode | None = None) -> None:
         """Undoes `_match_prefix` (and `_match_tail`) for a request that could not be admitted after all."""
         if self.cache is not None:
-            self.cache.unlock(tail)
+            if tail is not None:
+                self._let_go(tail)
             self.cache.unlock(request.tree_node)
         request.tree_node = None
         request.pages = []
