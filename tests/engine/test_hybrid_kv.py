@@ -153,12 +153,17 @@ def test_speculative_rollback_keeps_the_window(error):
     assert engine.spec_stats.num_draft_tokens > 0
 
 
-def test_prefix_hit_needs_the_window_before_the_match():
+def answered_once(seed: int, length: int, max_tokens: int = 8):
+    """A hybrid engine that has answered one random prompt: (engine, runner, prompt, answer)."""
     engine, runner = hybrid_engine(kv_cache_tokens=512, max_num_batched_tokens=64)
-    rng = random.Random(11)
-    first = [rng.randrange(1, VOCAB) for _ in range(41)]
-    engine.add_request("first", first, greedy(8))
-    done = run_to_completion(engine)["first"]
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(length)]
+    engine.add_request("first", prompt, greedy(max_tokens))
+    return engine, runner, prompt, run_to_completion(engine)["first"]
+
+
+def test_prefix_hit_needs_the_window_before_the_match():
+    engine, _, first, done = answered_once(11, 41)
     tree = engine.scheduler.cache
     # 12 full pages of 48 computed tokens in the tree, and per sliding group only the pages of two
     # windows: before the prompt's last full page (positions 31..39: pages 7-9), handed over once the
@@ -184,11 +189,7 @@ def test_prefix_hit_needs_the_window_before_the_match():
 
 
 def test_a_repeated_prompt_copies_its_partial_page_in_every_group():
-    engine, runner = hybrid_engine(kv_cache_tokens=512, max_num_batched_tokens=64)
-    rng = random.Random(12)
-    first = [rng.randrange(1, VOCAB) for _ in range(43)]
-    engine.add_request("first", first, greedy(8))
-    done = run_to_completion(engine)["first"]
+    engine, runner, first, done = answered_once(12, 43)
     # 50 positions with K/V: pages 0-11 in the tree, the sliding groups' pages 7-11 (two windows).
     engine.add_request("again", first, greedy(8))
     engine.step()
@@ -202,9 +203,7 @@ def test_a_repeated_prompt_copies_its_partial_page_in_every_group():
     engine.check_integrity()
     # A longer first answer slides the groups past page 10 (the tree gets pages 7-9 and 13-15 of
     # them): no sliding page for that position, so no copy, whole pages only.
-    engine, runner = hybrid_engine(kv_cache_tokens=512, max_num_batched_tokens=64)
-    engine.add_request("long", first, greedy(20))
-    run_to_completion(engine)
+    engine, runner, _, _ = answered_once(12, 43, max_tokens=20)
     engine.add_request("again", first, greedy(8))
     engine.step()
     assert engine.scheduler.running[0].num_cached_tokens == 40 and not runner.copies
