@@ -97,6 +97,18 @@ def test_streaming_completion_token_prompt_and_echo(client, model, llm):
     assert echoed.choices[0].text == PROMPT + full.choices[0].text
 
 
+def test_a_prompt_sent_again_reports_all_but_its_last_token_cached(client, model):
+    # The first answer (16 tokens) fills the page that holds the prompt's end, so the repeat copies
+    # that page (engine/scheduler.py, the partial page) and computes only its last token.
+    prompt = "A question asked twice, about partial pages: " + "how much does a cache hit save? " * 3
+    params = dict(model=model, prompt=prompt, temperature=0, max_tokens=16)
+    first = client.completions.create(**params)
+    again = client.completions.create(**params)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens % 16 != 1  # else whole pages alone would give the same count
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
 def test_n_samples_and_batch_prompts(client, model):
     out = client.chat.completions.create(model=model, messages=CHAT, n=2, seed=7, max_tokens=6, temperature=1.0)
     assert [c.index for c in out.choices] == [0, 1]
