@@ -160,8 +160,9 @@ class RadixCache:
 
     def partial_page(self, match: PrefixMatch, tokens: list[int]) -> tuple[RadixNode, int] | None:
         """The cached page that continues `match` furthest into `tokens` (the tokens after the match,
-        fewer than a page): the child of the match's end whose first page starts with the most of
-        them, and how many (at least one). None when no child starts with the first of them.
+        at most a page): the child of the match's end whose first page starts with the most of them,
+        and how many (at least one). None when no child starts with the first of them. It scans the
+        children: a handful where prompts share a system prompt, one per prompt under a bare root.
 
         The tree shares whole pages only; a caller that wants those tokens' K/V copies the page
         (child.pages[0]) into a page of its own, locking the child until it has.
