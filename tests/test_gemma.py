@@ -99,7 +99,7 @@ def test_hybrid_runner_attends_each_group_through_its_own_pages(tiny):
         logits = runner.execute([SeqChunk(chunk, start, full, sample=True, all_logits=True, window_pages=held)])
         torch.testing.assert_close(logits, ref[start:start + len(chunk)], atol=ATOL, rtol=0)
     # Page 4 (positions 16-19) copied in every group serves as the original: what the scheduler does
-    # for a prompt that continues a cached page part way (engine/scheduler.py `_copy_tail`).
+    # for a prompt that continues a cached page part way (engine/prefix_admission.py `copy_tail`).
     for src, dst in [(full[4], 22), (window[0][4], 23), (window[1][4], 24)]:
         runner.copy_page(src, dst)
     first_needed = max(0, 18 - GEMMA_WINDOW + 1) // 4

@@ -65,7 +65,7 @@ def test_cached_tokens_equal_the_shared_prefix(second, cached, whole_pages, copi
     prompt (the last one excepted); without it, whole pages only."""
     engine, runner = make_engine(page_size=16)
     if not copies:
-        engine.scheduler.copy_page = None
+        engine.scheduler.prefix.copy_page = None
         cached = whole_pages
     run(engine, "a", PROMPT)
     log = spy_on_schedule(engine)

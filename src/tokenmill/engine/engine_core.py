@@ -80,7 +80,8 @@ class EngineCore:
             self.pool, config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
             make_policy(config.scheduling_policy), getattr(runner, "kv_layout", None),
         )
-        self.scheduler.copy_page = getattr(runner, "copy_page", None)  # tests' fake runners have none
+        if self.scheduler.prefix is not None:  # a match part way into a cached page copies it (fakes may not)
+            self.scheduler.prefix.copy_page = getattr(runner, "copy_page", None)
         self.sampler = Sampler(vocab_size, sorted(self.eos_token_ids), seed=config.seed)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -335,7 +336,7 @@ class EngineCore:
         """Scores the prompt tokens of `all_logits` chunks; returns the sampling rows only.
 
         The row of position q scores prompt token q + 1. Positions are filled in order: the prompt is
-        computed from 0 without the cache (see Scheduler._match_prefix), and a recompute after a
+        computed from 0 without the cache (see PrefixAdmission.start), and a recompute after a
         preemption skips the positions already scored. Such a chunk costs a [its tokens, vocab] fp32
         logits tensor (400 MB for 2048 tokens of a 49k vocabulary), as in vLLM.
         """
@@ -406,7 +407,8 @@ class EngineCore:
         if self.scheduler.cache is None:
             raise InvalidRequest("the KV disk tier extends the prefix cache, which is off (--no-prefix-caching)",
                                  param="kv_cache_dir")
-        self.scheduler.offload = offload
+        assert self.scheduler.prefix is not None
+        self.scheduler.prefix.offload = offload
         self.scheduler.cache.on_insert = offload.on_insert
 
     def shutdown(self) -> None:

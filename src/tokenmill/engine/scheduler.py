@@ -8,11 +8,9 @@ counter.
 
 A waiting request is matched against the prefix cache when it is admitted (not when it is queued:
 the tree changes while it waits, and a lock held in the queue would pin pages nobody computes with).
-It locks the matched path and starts at `num_computed_tokens` = the matched length. The tree shares
-whole pages; where a cached page continues the match part way (the same prompt sent again: its last
-partial page lies inside the cached prompt + output), the request's first page of its own starts as
-a copy of that page, in every KV group (`copy_page`, the runner's), and those tokens count as
-computed too, so a repeated prompt computes its last token, not up to a page of them.
+It locks the matched path and starts at `num_computed_tokens` = the matched length, and where a
+cached page continues the match part way, that page is copied into its first page of its own
+(engine/prefix_admission.py: a prompt sent again computes its last token only).
 
 Requests with the same prompt (n samples of one prompt: same `prefill_group`) would all miss the
 cache if admitted in the same step. So while one of them is running and has full prompt pages still
@@ -33,16 +31,16 @@ prefix-cache matches the sliding groups can serve. Models with one group never t
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenmill.engine.prefix_admission import PrefixAdmission
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduling_policy import SchedulingPolicy
 from tokenmill.engine.window_groups import WindowGroups
 from tokenmill.kvcache.kv_groups import KVLayout
 from tokenmill.kvcache.page_pool import PagePool
-from tokenmill.kvcache.radix_cache import PrefixMatch, RadixCache, RadixNode
+from tokenmill.kvcache.radix_cache import RadixCache
 
 if TYPE_CHECKING:
     from tokenmill.engine.kv_offload import KVOffload
@@ -81,16 +79,14 @@ class Scheduler:
     ) -> None:
         self.pool = pool
         self.policy = policy or SchedulingPolicy()  # the order of the queue and the running list
-        self.offload: KVOffload | None = None  # the prefix cache's disk tier, when the engine has one
-        # The runner's page copy (src, dst), for matches that continue part way into a cached page;
-        # None: only whole pages are shared (a runner without it, as the tests' fakes).
-        self.copy_page: Callable[[int, int], None] | None = None
         self.layout = layout
         hybrid = layout is not None and layout.is_hybrid
         self.num_groups = layout.num_window_groups + 1 if layout is not None else 1
         self.cache = RadixCache(pool, self.num_groups - 1) if enable_prefix_caching else None
         # Sliding groups' pages (hybrid models only); every new position takes one page per group.
         self.windows = WindowGroups(layout, pool, self.cache) if hybrid and layout is not None else None
+        # Admission against the cache (engine/prefix_admission.py); None with the cache off.
+        self.prefix = PrefixAdmission(self.cache, pool, self.windows, self._make_room) if self.cache is not None else None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -99,6 +95,11 @@ class Scheduler:
         # Prefix-cache counters over first admissions (prompt tokens looked up / found).
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+
+    @property
+    def offload(self) -> KVOffload | None:
+        """The prefix cache's disk tier, when the engine has one (set on `prefix`)."""
+        return self.prefix.offload if self.prefix is not None else None
 
     @property
     def capacity_tokens(self) -> int:
@@ -141,15 +142,16 @@ class Scheduler:
                 # tree. The requests behind it need not wait for that.
                 deferred.append(self.waiting.popleft())
                 continue
-            tail = self._match_tail(request, self._match_prefix(request))
+            tail = self.prefix.start(request) if self.prefix is not None else None
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.pages)
             if not self._make_room(need * self.num_groups):
-                self._unmatch_prefix(request, tail)
+                if self.prefix is not None:
+                    self.prefix.undo(request, tail)
                 break
             self._allocate(request, need)
-            if tail is not None:
-                self._copy_tail(request, tail)
+            if self.prefix is not None and tail is not None:
+                self.prefix.copy_tail(request, tail)
             self.waiting.popleft()
             if request.prefill_group is not None and self.cache is not None and self._shares_later(request):
                 prefilling.add(request.prefill_group)
@@ -250,86 +252,7 @@ class Scheduler:
         self.cache.evict(short)
         return True
 
-    # ---- prefix cache ----------------------------------------------------------------------------
-    def _match_prefix(self, request: Request) -> PrefixMatch | None:
-        """Starts `request` on its longest cached whole-page prefix, locked; returns the match (None
-        when the request takes nothing from the cache)."""
-        if self.cache is None or request.needs_prompt_logits or not request.uses_prefix_cache:
-            return None  # a request that needs prompt logprobs computes its whole prompt (vLLM does too)
-        # A full hit must still compute the last known token (its logits sample the next one), and
-        # only whole pages are shared: match at most num_tokens - 1, rounded down to a page.
-        size = self.pool.page_size
-        limit = (request.num_tokens - 1) // size * size
-        match = self.cache.match(request.all_token_ids[:limit], request.cache_salt)
-        if self.offload is not None and limit:  # pages past the tree's match may still be on disk
-            match = self.offload.extend(self.cache, match, request.all_token_ids[:limit], request.cache_salt,
-                                        self._make_room)
-        if self.windows is not None:
-            usable = self.windows.usable_prefix(match.window, match.num_pages)
-            if usable < match.num_pages:  # the sliding groups lack the window before the match's end
-                match = self.cache.match(request.all_token_ids[: usable * size], request.cache_salt) \
-                    if usable else PrefixMatch(None, [])
-        if match.num_pages == 0:
-            return match
-        self.cache.lock(match.node)
-        if self.windows is not None:
-            self.windows.adopt_match(request, match.window, match.num_pages)
-        request.tree_node = match.node
-        request.pages = list(match.pages)
-        request.num_tree_pages = match.num_pages
-        request.num_computed_tokens = match.num_pages * size
-        return match
-
-    def _match_tail(self, request: Request, match: PrefixMatch | None) -> RadixNode | None:
-        """The node whose first page continues `match` part way into the request's next page, held
-        (locked; its sliding groups' pages of that position referenced) until `_copy_tail` copies
-        them; those tokens now count as computed. None when no cached page does, a sliding group
-        lacks that position's page, or the runner cannot copy pages (no `copy_page`)."""
-        if match is None or self.copy_page is None:
-            return None
-        assert self.cache is not None
-        start = request.num_computed_tokens
-        ahead = request.all_token_ids[start : min(start + self.pool.page_size, request.num_tokens - 1)]
-        found = self.cache.partial_page(match, ahead)
-        if found is None:
-            return None
-        node, n = found
-        window = [pages[0] for pages in node.window]  # [] without sliding groups
-        if None in window:
-            return None  # the window before the match's end is the match's; this page's must be there too
-        self.cache.ref_window(window)
-        self.cache.lock(node)
-        request.num_computed_tokens += n
-        return node
-
-    def _copy_tail(self, request: Request, tail: RadixNode) -> None:
-        """The request's page after its shared ones starts as a copy of `tail`'s first page, in every
-        KV group (the positions past the matched tokens are overwritten as it computes them)."""
-        assert self.cache is not None and self.copy_page is not None
-        k = request.num_tree_pages
-        self.copy_page(tail.pages[0], request.pages[k])
-        for src, mine in zip((pages[0] for pages in tail.window), request.window_pages or []):
-            self.copy_page(src, mine[k])
-        self._let_go(tail)
-
-    def _let_go(self, tail: RadixNode) -> None:
-        assert self.cache is not None
-        self.cache.unref_window(pages[0] for pages in tail.window)
-        self.cache.unlock(tail)
-
-    def _unmatch_prefix(self, request: Request, tail: RadixNode | None = None) -> None:
-        """Undoes `_match_prefix` (and `_match_tail`) for a request that could not be admitted after all."""
-        if self.cache is not None:
-            if tail is not None:
-                self._let_go(tail)
-            self.cache.unlock(request.tree_node)
-        request.tree_node = None
-        request.pages = []
-        request.num_tree_pages = 0
-        request.num_computed_tokens = 0
-        if self.windows is not None:
-            self.windows.forget(request)
-
+    # ---- prefix cache: pages into the tree ----------------------------------------------------
     def cache_computed(self, request: Request, final: bool = False) -> set[int]:
         """Hands the full computed pages of a running request to the tree, which then owns them.
 
