@@ -83,7 +83,7 @@ class FakeRunner:
         """Nothing to stop (the real runner stops its tensor-parallel ranks here)."""
 
     def copy_page(self, src: int, dst: int) -> None:
-        """A page's "K/V" copied: its slots' token ids (engine/scheduler.py copies a cached page a
+        """A page's "K/V" copied: its slots' token ids (engine/prefix_admission.py copies a cached page a
         request continues part way). The copy goes into a page the tree does not own."""
         frozen = self.read_only_pages() if self.read_only_pages is not None else set()
         assert src in frozen and dst not in frozen, f"copy of page {src} into {dst}: not from the tree into a request's"

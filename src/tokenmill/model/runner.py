@@ -192,7 +192,7 @@ class ModelRunner:
 
     def copy_page(self, src: int, dst: int) -> None:
         """Page `dst` becomes a copy of page `src`, every layer's K/V: a request whose prefix-cache match
-        continues part way into a cached page starts its own page from it (engine/scheduler.py)."""
+        continues part way into a cached page starts its own page from it (engine/prefix_admission.py)."""
         self._zero_new_pages(max(src, dst) + 1)  # zeroing ahead later must not wipe the copy
         lo, hi = src * self.page_size, (src + 1) * self.page_size
         at = dst * self.page_size
