@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model.conftest import BLOCKED_KERNELS
+from tests.model.conftest import AMX_ONE_TERM, BLOCKED_KERNELS
 from tokenmill.model import blocked_formats
 from tokenmill.model.kernels import cpu_isa, quant_kernel
 from tokenmill.model.layers.quantized_linear import (
@@ -77,8 +77,28 @@ def two_term_bound(x: torch.Tensor, w: torch.Tensor, group: int = 32) -> torch.T
     amax = x.double().abs().reshape(m, g, group).amax(-1)  # [M, G]
     wabs = w.double().abs().reshape(w.shape[0], g, group).sum(-1)  # [N, G]
     rounding = amax @ wabs.T / (127 * 256) * 1.01
-    fp32 = (k // 32 + 10) * 2.0**-24 * 4 * (x.double().abs() @ w.double().abs().T)
-    return rounding + fp32
+    return rounding + fp32_bound(x, w)
+
+
+def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 rounding's share of a kernel's bound [M, N]: each group's sum, its scaling (a multiply-add
+    by the scale, one by the min times the row's sum of x) and the accumulation over G groups of 32,
+    (G + 10) units of 2^-24 of sum |w x| (x4 for the min terms, which are of the size of the weights
+    here)."""
+    return (x.shape[1] // 32 + 10) * 2.0**-24 * 4 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+def one_term_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|tiles - x @ w.T| bound [M, N] of the one-term formats' AMX tiles (the codes exact in bf16, the
+    tiles' products exact in fp32, then fp32_bound)."""
+    return 2.0**-9 * 1.01 * (x.double().abs() @ w.double().abs().T) + fp32_bound(x, w)
+
+
+def kernel_bound(x: torch.Tensor, w: torch.Tensor, kind: str, kernel: str) -> torch.Tensor:
+    """The bound of `blocked_linear(x)` on `kernel`: the two int8 terms', or one_term_bound where the
+    AMX tiles take the rows of a one-term format (their two bf16 terms are within two_term_bound)."""
+    amx = kernel == "vnni" and quant_kernel.amx_available() and x.shape[0] >= torch.ops.tokenmill_vnni.amx_min_rows()
+    return one_term_bound(x, w) if amx and kind in AMX_ONE_TERM else two_term_bound(x, w)
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -136,7 +156,7 @@ def test_kernel_within_activation_rounding(kernel, kind, rows):
     x[0, 32:64] = 0  # a group of zeros: scale 0, not a division by zero
     exact = x.double() @ ref.double().T
     got = quant_kernel.blocked_linear(x, bw).double()
-    assert ((got - exact).abs() <= two_term_bound(x, ref)).all()
+    assert ((got - exact).abs() <= kernel_bound(x, ref, kind, kernel)).all()
     layer = QuantizedLinear(bw, None, prompt_gemm="vnni")
     assert torch.equal(layer(x), quant_kernel.blocked_linear(x, bw))
 

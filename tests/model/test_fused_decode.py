@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model.conftest import one_term_slack
 from tests.tiny_models import make_tiny_model, write_tiny_gguf
 from tokenmill.config import EngineConfig
 from tokenmill.engine.factory import build_engine_core
@@ -221,7 +222,10 @@ def test_prompts_attend_through_the_paged_kernel_as_through_sdpa(fast_runner):
         b = runner.execute([SeqChunk(rest, len(first), list(range(0, 8)), sample=True, all_logits=True)])
         results.append(torch.cat([a, b]))
     got, ref = results
-    torch.testing.assert_close(got, ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
+    # 2e-3 of the largest logit; on AMX the tiles' one bf16 term for Q8_0 blocks moved some by 3.4e-3
+    # of it (conftest.one_term_slack)
+    slack = one_term_slack(fast_runner.kind)
+    torch.testing.assert_close(got, ref, atol=2e-3 * slack * ref.abs().max().item(), rtol=1e-3)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.98
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model.conftest import one_term_slack
 from tests.model.test_fused_decode import decode_chunks, ids, prefill
 from tests.tiny_models import GEMMA_ARCHS, GEMMA_WINDOW, make_tiny_model, write_tiny_gguf
 from tokenmill.config import EngineConfig
@@ -94,8 +95,9 @@ def test_short_prompts_run_fused_as_decode_rows(fast_runner):
                       sample=True, all_logits=True)]
     fused, _, eager = run_both(runner, chunk)
     # 3e-3 of the largest logit, as for long prompts below: 191 rows of this tiny random gemma 3 measured
-    # 2.0e-3 on the VNNI kernel and 2.3e-3 on AMX tiles (both paths' linears; the rest differs in order)
-    torch.testing.assert_close(fused, eager, atol=3e-3 * eager.abs().max().item(), rtol=1e-3)
+    # 2.0e-3 on the VNNI kernel and 2.3e-3 on AMX tiles (both paths' linears; the rest differs in order),
+    # times the slack of the tiles' one bf16 term for Q8_0 (4.2e-3 measured; conftest.one_term_slack)
+    torch.testing.assert_close(fused, eager, atol=3e-3 * one_term_slack("Q8_0") * eager.abs().max().item(), rtol=1e-3)
     assert (fused.argmax(-1) == eager.argmax(-1)).float().mean() > 0.9
 
 
@@ -147,8 +149,9 @@ def test_long_prompts_run_in_the_stack(fast_runner):
     assert fused.shape == (n, model.config.vocab_size)
     # 3e-3 of the largest logit, not 2e-3 as for short steps: over 231 rows the two orders of float
     # rounding (the stack's fp32 rows against op-by-op torch ops, the same kernels' integer sums)
-    # moved 3 of 11M logits by up to 2.3e-3 of it once activations were rounded in merged two-term steps.
-    torch.testing.assert_close(fused, eager, atol=3e-3 * eager.abs().max().item(), rtol=1e-3)
+    # moved 3 of 11M logits by up to 2.3e-3 of it once activations were rounded in merged two-term steps;
+    # op by op the tiles' one bf16 term for Q8_0 moved some by 5.6e-3 (conftest.one_term_slack).
+    torch.testing.assert_close(fused, eager, atol=3e-3 * one_term_slack("Q8_0") * eager.abs().max().item(), rtol=1e-3)
     assert (fused.argmax(-1) == eager.argmax(-1)).float().mean() > 0.9
 
 

@@ -1,6 +1,6 @@
 """The AMX-BF16 tiles for steps of many rows (csrc/quant_amx.h), on random block bytes of every GGUF
 format the blocked kernels read: within the rounding of two bf16 activation terms of a float64
-product, whatever the row count (tiles of 16 with padding, in pairs), column blocks (odd counts), unit
+product (one term for Q8_0 and Q6_K), whatever the row count (tiles of 16 with padding, in pairs), column blocks (odd counts), unit
 count (odd, halves of sub-blocks) and threads; the rows from which `linear` takes them; the parts of a
 fused linear; and the cap that turns them off. Skipped where the CPU (or TOKENMILL_CPU_ISA) has no AMX."""
 
@@ -13,26 +13,26 @@ import sys
 import pytest
 import torch
 
-from tests.model.test_block_decoders import TYPES, weight, width
+from tests.model.conftest import AMX_ONE_TERM
+from tests.model.test_block_decoders import TYPES, fp32_bound, one_term_bound, weight, width
 from tokenmill.model.kernels import quant_kernel
 
 pytestmark = pytest.mark.skipif(not quant_kernel.amx_available(), reason="no AMX-BF16 here")
 
 
-def amx_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def amx_bound(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tensor:
     """|tiles - x @ w.T| bound [M, N]. x = hi + lo + r with hi = bf16(x), lo = bf16(x - hi): |r| <=
     2^-16 |x| (lo keeps 8 bits of a residual <= 2^-8 |x|); the codes minus their offset are exact in
-    bf16 and the tile's products exact in fp32. Then fp32 rounding: each group's tile sum, its scaling
-    (a multiply-add by the scale, one by the min times the row's fp32 sum of x) and the accumulation
-    over G groups, (G + 10) units of 2^-24 of sum |w x| (x4 for the min terms, of the weights' size)."""
-    g = x.shape[1] // 32
-    absprod = x.double().abs() @ w.double().abs().T
-    return 2.0**-16 * absprod * 1.01 + (g + 10) * 2.0**-24 * 4 * absprod + 1e-30
+    bf16 and the tile's products exact in fp32; then fp32 rounding (fp32_bound). The one-term
+    formats: one_term_bound."""
+    if kind in AMX_ONE_TERM:
+        return one_term_bound(x, w)
+    return 2.0**-16 * 1.01 * (x.double().abs() @ w.double().abs().T) + fp32_bound(x, w)
 
 
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("rows", [1, 16, 17, 50])
-def test_tiles_within_two_bf16_terms_of_the_exact_product(kind, rows):
+def test_tiles_within_their_bf16_terms_of_the_exact_product(kind, rows):
     k = width(kind, 96, 512)  # 3 groups (an odd unit count) for 32-wide blocks, 2 super-blocks
     bw, ref, _ = weight(kind, 48, k, seed=rows)
     x = torch.randn(rows, k)
@@ -40,10 +40,13 @@ def test_tiles_within_two_bf16_terms_of_the_exact_product(kind, rows):
     ref = torch.as_tensor(ref)
     exact = x.double() @ ref.double().T
     got = quant_kernel.blocked_linear_amx(x, bw).double()
-    assert ((got - exact).abs() <= amx_bound(x, ref)).all()
-    # and closer than the VNNI kernel's two int8 terms on the whole
-    vnni = quant_kernel.blocked_linear(x, bw, amx=False).double()
-    assert (got - exact).abs().sum() < 0.5 * (vnni - exact).abs().sum()
+    assert ((got - exact).abs() <= amx_bound(x, ref, kind)).all()
+    if kind in AMX_ONE_TERM:  # bf16(x) times the exact weights, to fp32's rounding
+        rounded = x.bfloat16().double() @ ref.double().T
+        assert ((got - rounded).abs() <= fp32_bound(x, ref)).all()
+    else:  # closer than the VNNI kernel's two int8 terms on the whole
+        vnni = quant_kernel.blocked_linear(x, bw, amx=False).double()
+        assert (got - exact).abs().sum() < 0.5 * (vnni - exact).abs().sum()
 
 
 @pytest.mark.parametrize("super_blocks", [1, 3])
@@ -56,7 +59,7 @@ def test_super_block_formats_over_odd_counts_of_super_blocks(kind, super_blocks)
     ref = torch.as_tensor(ref)
     x = torch.randn(20, k)
     got = quant_kernel.blocked_linear_amx(x, bw).double()
-    assert ((got - x.double() @ ref.double().T).abs() <= amx_bound(x, ref)).all()
+    assert ((got - x.double() @ ref.double().T).abs() <= amx_bound(x, ref, kind)).all()
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_1", "Q4_K", "Q6_K", "Q3_K"])
@@ -67,7 +70,7 @@ def test_wide_inputs_run_in_spans_whose_sums_add_up(kind):
     ref = torch.as_tensor(ref)
     x = torch.randn(33, k)
     got = quant_kernel.blocked_linear_amx(x, bw).double()
-    assert ((got - x.double() @ ref.double().T).abs() <= amx_bound(x, ref)).all()
+    assert ((got - x.double() @ ref.double().T).abs() <= amx_bound(x, ref, kind)).all()
 
 
 def assert_rows_alone_and_threads_alike(linear, x: torch.Tensor, rows: tuple[int, ...]) -> None:

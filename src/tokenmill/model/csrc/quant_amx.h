@@ -13,7 +13,8 @@
 // Nothing is rounded but the activations' ~16 bits and fp32 sums: closer to the float64 product than
 // the VNNI kernel's two int8 terms (~15 bits), and oneDNN's bf16 GEMM over dequantized weights
 // (8-bit weights, activations and outputs) is what the formats with more than 4-bit codes failed
-// the quality bound on.
+// the quality bound on. Q8_0 and Q6_K take hi alone (kTerms): their weights stay exact, and the
+// quality bound holds with the activations' 8 bits (measured, below).
 //
 // Layout: a block's codes are decoded once per call into AMX's B layout (per group of 32 inputs:
 // 16 rows of 16 columns x 2 consecutive inputs, 1 kB), a chunk of blocks and a span of the inputs at
@@ -80,6 +81,16 @@ template <class D>
 constexpr bool kFolds = D::kFmt == tm_vnni::kQ3K || D::kFmt == tm_vnni::kQ6K;
 template <class D>
 constexpr int kPlanes = D::kFmt == tm_vnni::kQ6K ? 2 : 1;
+
+// Activation terms a format's tiles multiply: Q8_0 and Q6_K take hi = bf16(x) alone (one product a
+// unit and plane instead of two, and half the A tiles loaded), the others hi and lo. Measured with
+// `tokenmill bench quality --mode prefill` (fast against exact, 1,785 positions; docs/benchmarks.md,
+// "Q8_0 and Q6_K prompts on one activation term"): with these two on one term every mix keeps top-1
+// >= 99 % and a KL mean of 4.6e-5 - 1.2e-4 (the bundled Q4_1's bf16 GEMM: 1.95e-4), and a Q8_0 /
+// Q6_K prompt runs 1.2-1.3x faster; one term everywhere took the mixes whose layers are 4- and 5-bit
+// (Q4_0, Q4_K, Q5_0, Q5_K) under 99 % (Q3_K_M 98.49 %, Q4_K_M 98.88 %, Gemma 3 98.94 %).
+template <class D>
+constexpr int kTerms = D::kFmt == tm_vnni::kQ8 || D::kFmt == tm_vnni::kQ6K ? 1 : 2;
 
 // Quad j's values (v[i]: columns 4 i .. 4 i + 3, lane 4 c + e) as bf16 into B's rows 2 j, 2 j + 1: dword
 // 2 c' + h of lo8 / hi8 is column c' (of 0-7 / 8-15), inputs 4 j + 2 h, + 1.
@@ -286,9 +297,10 @@ TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t 
 // 34-38 ns a tile and group against 45-50; docs/benchmarks.md, "The quantized kernel's prompt tiles two
 // by two"). rows[i]: tile i's real rows (0: no second tile, the first one's rows multiplied again and
 // dropped); b[j], sc[j], mn[j]: block j's decode_block output (b[1] null: no second block, likewise),
-// y[j]: its first row's sums in y, written or (`add`) added to. Planes: B's (kPlanes). Per unit and
-// tile the arithmetic is tile_block's, in the same order: the same sums bit for bit (one plane).
-template <int W, bool HasMin, int Run, int Planes>
+// y[j]: its first row's sums in y, written or (`add`) added to. Planes: B's (kPlanes); Terms: the
+// activation terms multiplied (kTerms). Per unit and tile the arithmetic is tile_block's, in the same
+// order: the same sums bit for bit (one plane, two terms).
+template <int W, bool HasMin, int Run, int Planes, int Terms>
 TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2], int64_t u0, int64_t units,
                          const uint16_t* const (&b)[2], const float* const (&sc)[2], const float* const (&mn)[2],
                          float* const (&y)[2], int64_t ldy, bool add) {
@@ -326,10 +338,10 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
       const uint16_t* bu0 = b0 + uu * kUnitB;
       const uint16_t* bu1 = b1 + uu * kUnitB;
       TA_MULTIPLY_A(hi0 + uu * W, hi1 + uu * W, bu0, bu1);
-      TA_MULTIPLY_A(lo0 + uu * W, lo1 + uu * W, nullptr, nullptr);
-      if constexpr (Planes == 2) {  // B's second plane: A lo x B lo, then A hi x B lo
+      if constexpr (Terms == 2) TA_MULTIPLY_A(lo0 + uu * W, lo1 + uu * W, nullptr, nullptr);
+      if constexpr (Planes == 2) {  // B's second plane: by the A tiles loaded last, then (two terms) by A hi
         TA_MULTIPLY_B(bu0 + W * 16, bu1 + W * 16);
-        TA_MULTIPLY_A(hi0 + uu * W, hi1 + uu * W, nullptr, nullptr);
+        if constexpr (Terms == 2) TA_MULTIPLY_A(hi0 + uu * W, hi1 + uu * W, nullptr, nullptr);
       }
     }
     _tile_stored(0, c[0], 64);
@@ -406,8 +418,8 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
             const float* const sc[2] = {s0, s1};
             const float* const mn[2] = {s0 + span_units * kCols, two ? s1 + span_units * kCols : nullptr};
             float* const yt[2] = {y + m0 * ldy + nb * kCols, y + m0 * ldy + (nb + 1) * kCols};
-            if (has_min) tile_pair<W, true, Run, kPlanes<D>>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
-            else tile_pair<W, false, Run, kPlanes<D>>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
+            if (has_min) tile_pair<W, true, Run, kPlanes<D>, kTerms<D>>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
+            else tile_pair<W, false, Run, kPlanes<D>, kTerms<D>>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
           }
         }
       }
