@@ -83,12 +83,14 @@ template <class D>
 constexpr int kPlanes = D::kFmt == tm_vnni::kQ6K ? 2 : 1;
 
 // Activation terms a format's tiles multiply: Q8_0 and Q6_K take hi = bf16(x) alone (one product a
-// unit and plane instead of two, and half the A tiles loaded), the others hi and lo. Measured with
+// unit and plane instead of two, and half the A tiles loaded), the others hi and lo; a caller may ask
+// for two whatever the format (`two_terms`: the lm_head, whose sums are the logits). Measured with
 // `tokenmill bench quality --mode prefill` (fast against exact, 1,785 positions; docs/benchmarks.md,
-// "Q8_0 and Q6_K prompts on one activation term"): with these two on one term every mix keeps top-1
-// >= 99 % and a KL mean of 4.6e-5 - 1.2e-4 (the bundled Q4_1's bf16 GEMM: 1.95e-4), and a Q8_0 /
-// Q6_K prompt runs 1.2-1.3x faster; one term everywhere took the mixes whose layers are 4- and 5-bit
-// (Q4_0, Q4_K, Q5_0, Q5_K) under 99 % (Q3_K_M 98.49 %, Q4_K_M 98.88 %, Gemma 3 98.94 %).
+// "Q8_0 and Q6_K prompts on one activation term"): with these two on one term (the lm_head on two)
+// every mix keeps top-1 >= 99 % (Q6_K 99.66 -> 99.05 %, Q8_0 99.44 -> 99.33 %) and a KL mean under
+// 1e-4 (the bundled Q4_1's bf16 GEMM: 1.9e-4), and a Q8_0 / Q6_K prompt runs 1.2-1.3x faster; one
+// term everywhere took the mixes whose layers are 4- and 5-bit (Q4_0, Q4_K, Q5_0, Q5_K) under 99 %
+// (Q3_K_M 98.49 %, Q4_K_M 98.88 %, Gemma 3 98.94 %).
 template <class D>
 constexpr int kTerms = D::kFmt == tm_vnni::kQ8 || D::kFmt == tm_vnni::kQ6K ? 1 : 2;
 
@@ -370,9 +372,11 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
 constexpr int64_t kChunkBytes = 1024 * 1024;
 constexpr int64_t kSpanGroups = 32;
 
-// Blocks nb0..nb1 of one weight x all of a's rows, into y's columns (ldy = y's row length).
+// Blocks nb0..nb1 of one weight x all of a's rows, into y's columns (ldy = y's row length); two_terms:
+// both activation terms whatever kTerms<D> says.
 template <class D>
-TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
+TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy,
+                         bool two_terms) {
   if (nb1 <= nb0) return;
   constexpr int W = kFolds<D> ? kGroup : kGroup / D::kSubs;  // inputs a unit
   constexpr int Run = kFolds<D> ? tm_vnni::kSuper : 1;      // units summed in one tile
@@ -418,8 +422,12 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
             const float* const sc[2] = {s0, s1};
             const float* const mn[2] = {s0 + span_units * kCols, two ? s1 + span_units * kCols : nullptr};
             float* const yt[2] = {y + m0 * ldy + nb * kCols, y + m0 * ldy + (nb + 1) * kCols};
-            if (has_min) tile_pair<W, true, Run, kPlanes<D>, kTerms<D>>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
-            else tile_pair<W, false, Run, kPlanes<D>, kTerms<D>>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
+            auto pair = [&]<int Terms>() {
+              if (has_min) tile_pair<W, true, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
+              else tile_pair<W, false, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
+            };
+            if (kTerms<D> == 1 && !two_terms) pair.template operator()<1>();
+            else pair.template operator()<2>();
           }
         }
       }
@@ -429,16 +437,19 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
 }
 
 // Blocks nb0..nb1 of one weight of any format x all M rows of a (ldy = y's row length).
-inline void blocks(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
-  tm_vnni::with_decoder(w.fmt, [&]<class D>() { blocks_of<D>(w, a, M, nb0, nb1, y, ldy); });
+inline void blocks(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy,
+                   bool two_terms = false) {
+  tm_vnni::with_decoder(w.fmt, [&]<class D>() { blocks_of<D>(w, a, M, nb0, nb1, y, ldy, two_terms); });
 }
 
 #else
-inline void blocks(const Weights&, const SplitActs&, int64_t, int64_t, int64_t, float*, int64_t) {}
+inline void blocks(const Weights&, const SplitActs&, int64_t, int64_t, int64_t, float*, int64_t, bool = false) {}
 #endif  // TM_AMX_COMPILES
 
-// y [M, N] = x @ W^T for weights side by side (quant_vnni.cpp `multiply`'s parts), on AMX tiles.
-inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0) {
+// y [M, N] = x @ W^T for weights side by side (quant_vnni.cpp `multiply`'s parts), on AMX tiles
+// (two_terms: see kTerms).
+inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
+                           bool two_terms = false) {
   const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -452,7 +463,7 @@ inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, c
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (size_t i = 0; i < w.size(); ++i) {
       const int64_t lo = std::max(b0, block0[i]), hi = std::min(b1, block0[i + 1]);
-      if (lo < hi) blocks(w[i], a, M, lo - block0[i], hi - block0[i], yp + block0[i] * kCols, N);
+      if (lo < hi) blocks(w[i], a, M, lo - block0[i], hi - block0[i], yp + block0[i] * kCols, N, two_terms);
     }
   });
   return y;

@@ -19,11 +19,13 @@ namespace {
 // amx: steps of two terms and tm_amx::kAmxMinRows+ rows may run AMX-BF16 tiles instead (quant_amx.h),
 // and in those of tm_amx8::kAmx8MinRows+ rows the parts of the formats that fold AMX-INT8 tiles
 // (quant_amx8.h), where the CPU has them. amx8: those parts on the AMX-INT8 tiles at any rows (up to
-// kAmxMinRows + 16; tests and benchmarks).
+// kAmxMinRows + 16; tests and benchmarks). two_tile_terms: the AMX-BF16 tiles multiply both bf16 terms
+// of the activations for every format (quant_amx.h kTerms; the lm_head).
 at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
-                    int64_t terms, bool amx, bool amx8 = false) {
+                    int64_t terms, bool amx, bool amx8 = false, bool two_tile_terms = false) {
   const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
-  if (!amx8 && amx && terms == 2 && M >= tm_amx::kAmxMinRows && tm_amx::amx_ready()) return tm_amx::multiply(x, w, block0);
+  if (!amx8 && amx && terms == 2 && M >= tm_amx::kAmxMinRows && tm_amx::amx_ready())
+    return tm_amx::multiply(x, w, block0, two_tile_terms);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   // The AMX-INT8 tiles' rows: rounded once for every part that folds.

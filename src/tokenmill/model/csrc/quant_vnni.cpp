@@ -10,17 +10,17 @@ namespace {
 using namespace tm_vnni;
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                  const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms, bool amx) {
+                  const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms, bool amx, bool two_tile_terms) {
   const at::Tensor x = checked_x(x_in, terms);
-  return multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, terms, amx);
+  return multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, terms, amx, false, two_tile_terms);
 }
 
 // The same on AMX-BF16 tiles at any row count (tests and benchmarks; `linear` picks by rows).
 at::Tensor linear_amx(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                      const at::Tensor& subs, int64_t fmt, int64_t N) {
+                      const at::Tensor& subs, int64_t fmt, int64_t N, bool two_tile_terms) {
   TORCH_CHECK(tm_amx::amx_ready(), "this process cannot run AMX-BF16 tiles");
   const at::Tensor x = checked_x(x_in, 2);
-  return tm_amx::multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols});
+  return tm_amx::multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, two_tile_terms);
 }
 
 // The same on AMX-INT8 tiles (tests and benchmarks; `linear` picks by rows and format): 1 to
@@ -169,7 +169,7 @@ int64_t amx_min_rows() { return tm_amx::kAmxMinRows; }
 
 TORCH_LIBRARY(tokenmill_vnni, m) {
   m.def("linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int terms=2, "
-        "bool amx=True) -> Tensor",
+        "bool amx=True, bool two_tile_terms=False) -> Tensor",
         &linear);
   m.def("linear_parts(Tensor x, Tensor[] weights, int[] fmts, int[] Ns, int terms=2, bool amx=True) -> Tensor", &linear_parts);
   m.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int K, Tensor ids) "
@@ -178,7 +178,8 @@ TORCH_LIBRARY(tokenmill_vnni, m) {
         &dequantize_bf16);
   m.def("dequantize_bf16_into(Tensor(a!) out, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, "
         "int K) -> ()", &dequantize_bf16_into);
-  m.def("linear_amx(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N) -> Tensor",
+  m.def("linear_amx(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, "
+        "bool two_tile_terms=False) -> Tensor",
         &linear_amx);
   m.def("linear_amx8(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N) -> Tensor",
         &linear_amx8);

@@ -68,18 +68,20 @@ def amx8_available() -> bool:
     return vnni_available() and bool(torch.ops.tokenmill_vnni.amx8_supported())
 
 
-def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2, amx: bool = True) -> torch.Tensor:
+def blocked_linear(x: torch.Tensor, w: BlockedWeight, terms: int = 2, amx: bool = True,
+                   two_tile_terms: bool = False) -> torch.Tensor:
     """terms: int8 terms per activation (2: ~15 bits, near fp32 quality; 1: llama.cpp's Q8). amx=False
     keeps two-term steps of many rows on the VNNI kernel where they would take AMX tiles (tests of the
-    VNNI arithmetic)."""
+    VNNI arithmetic). two_tile_terms: those tiles multiply both bf16 terms of x for every format
+    (Q8_0 and Q6_K take one by default: csrc/quant_amx.h `kTerms`)."""
     if blocked_kernel() == "vnni":
-        return torch.ops.tokenmill_vnni.linear(x, *blocked_args(w), terms, amx)
+        return torch.ops.tokenmill_vnni.linear(x, *blocked_args(w), terms, amx, two_tile_terms)
     return _blocked_ops().linear(x, *blocked_args(w), terms)
 
 
-def blocked_linear_amx(x: torch.Tensor, w: BlockedWeight) -> torch.Tensor:
+def blocked_linear_amx(x: torch.Tensor, w: BlockedWeight, two_tile_terms: bool = False) -> torch.Tensor:
     """x @ w.T on AMX-BF16 tiles at any row count (where amx_available())."""
-    return torch.ops.tokenmill_vnni.linear_amx(x, *blocked_args(w))
+    return torch.ops.tokenmill_vnni.linear_amx(x, *blocked_args(w), two_tile_terms)
 
 
 def blocked_linear_amx8(x: torch.Tensor, w: BlockedWeight) -> torch.Tensor:
@@ -88,10 +90,12 @@ def blocked_linear_amx8(x: torch.Tensor, w: BlockedWeight) -> torch.Tensor:
     return torch.ops.tokenmill_vnni.linear_amx8(x, *blocked_args(w))
 
 
-def bound_blocked_linear(w: BlockedWeight, terms: int = 2):
+def bound_blocked_linear(w: BlockedWeight, terms: int = 2, two_tile_terms: bool = False):
     """`blocked_linear` with the weight's arguments bound: x -> x @ w.T (the decode hot path)."""
     op = _blocked_ops().linear.default
     args = (*blocked_args(w), terms)
+    if two_tile_terms and blocked_kernel() == "vnni":  # the AVX2 kernel has no tiles
+        args = (*args, True, True)
     return lambda x: op(x, *args)
 
 

@@ -69,7 +69,7 @@ def prompt_gemm_for(weight: QuantizedWeight | BlockedWeight, setting: str = "aut
 
 class QuantizedLinear:
     def __init__(self, weight: QuantizedWeight | BlockedWeight, bias: torch.Tensor | None,
-                 dense_min_rows: int = DENSE_MIN_ROWS, prompt_gemm: str = "auto"):
+                 dense_min_rows: int = DENSE_MIN_ROWS, prompt_gemm: str = "auto", two_tile_terms: bool = False):
         if isinstance(weight, QuantizedWeight) and weight.shape[0] % 16 == 0 and quant_kernel.blocked_kernel():
             weight = to_blocked(weight)
         self.prompt_gemm = prompt_gemm_for(weight, prompt_gemm)
@@ -79,7 +79,8 @@ class QuantizedLinear:
         self.kernel = quant_kernel.available()
         # Decode calls this 121 times a token: the kernel call is bound once here, not rebuilt per call
         # through wrappers (~3 us a call, ~6% of a batch-1 step).
-        self._blocked = quant_kernel.bound_blocked_linear(weight) if isinstance(weight, BlockedWeight) else None
+        self._blocked = (quant_kernel.bound_blocked_linear(weight, two_tile_terms=two_tile_terms)
+                         if isinstance(weight, BlockedWeight) else None)
         gemm_from = {"bf16": BLOCKED_DENSE_MIN_ROWS, "fp32": AVX2_DENSE_MIN_ROWS}.get(self.prompt_gemm)
         self._gemm_rows = NEVER_DENSE if gemm_from is None else max(dense_min_rows, gemm_from)
 
