@@ -87,7 +87,7 @@ constexpr int kPlanes = D::kFmt == tm_vnni::kQ6K ? 2 : 1;
 // for two whatever the format (`two_terms`: the lm_head, whose sums are the logits). Measured with
 // `tokenmill bench quality --mode prefill` (fast against exact, 1,785 positions; docs/benchmarks.md,
 // "Q8_0 and Q6_K prompts on one activation term"): with these two on one term (the lm_head on two)
-// every mix keeps top-1 >= 99 % (Q6_K 99.66 -> 99.05 %, Q8_0 99.44 -> 99.33 %) and a KL mean under
+// every mix keeps top-1 >= 99 % (the Q6_K mix 99.66 -> 99.05 %, Q8_0 99.44 -> 99.33 %) and a KL mean under
 // 1e-4 (the bundled Q4_1's bf16 GEMM: 1.9e-4), and a Q8_0 / Q6_K prompt runs 1.2-1.3x faster; one
 // term everywhere took the mixes whose layers are 4- and 5-bit (Q4_0, Q4_K, Q5_0, Q5_K) under 99 %
 // (Q3_K_M 98.49 %, Q4_K_M 98.88 %, Gemma 3 98.94 %).
