@@ -13,15 +13,16 @@
 // Nothing is rounded but the activations' ~16 bits and fp32 sums: closer to the float64 product than
 // the VNNI kernel's two int8 terms (~15 bits), and oneDNN's bf16 GEMM over dequantized weights
 // (8-bit weights, activations and outputs) is what the formats with more than 4-bit codes failed
-// the quality bound on. Q8_0 and Q6_K take hi alone (kTerms): their weights stay exact, and the
-// quality bound holds with the activations' 8 bits (measured, below).
+// the quality bound on. Q8_0 and Q6_K take hi alone: their weights stay exact, and the quality bound
+// holds with the activations' 8 bits (measured: kTerms, quant_amx_weights.h).
 //
-// Layout: a block's codes are decoded once per call into AMX's B layout (per group of 32 inputs:
-// 16 rows of 16 columns x 2 consecutive inputs, 1 kB), a chunk of blocks and a span of the inputs at
-// a time so that it stays in L2 while every 16-row tile of the step runs over it (blocks_of). Formats
-// with two sub-blocks a group take each half as a unit of 16 inputs with its own scale (Q2_K), or
-// fold the sub-block scales into B (kFolds: Q3_K, Q6_K). Units of 32 inputs run two row tiles x two
-// column blocks at a time (tile_pair), so that each A and B tile loaded serves two products.
+// Layout: a block's codes are decoded once per call into AMX's B layout (quant_amx_weights.h; per
+// group of 32 inputs: 16 rows of 16 columns x 2 consecutive inputs, 1 kB), a chunk of blocks and a
+// span of the inputs at a time so that it stays in L2 while every 16-row tile of the step runs over it
+// (blocks_of). Formats with two sub-blocks a group take each half as a unit of 16 inputs with its own
+// scale (Q2_K), or fold the sub-block scales into B (kFolds: Q3_K, Q6_K). Units of 32 inputs run two
+// row tiles x two column blocks at a time (tile_pair), so that each A and B tile loaded serves two
+// products.
 // Linux hands a process the tile registers only when asked (arch_prctl): amx_ready() (amx_tiles.h) asks once.
 
 #include <ATen/Parallel.h>
@@ -31,6 +32,7 @@
 #include <immintrin.h>
 
 #include "quant_amx_acts.h"
+#include "quant_amx_weights.h"
 #include "quant_blocks.h"
 
 #include <algorithm>
@@ -66,107 +68,6 @@ TA_TARGET TA_INLINE void configure() {
     return c;
   }();
   _tile_loadconfig(&config);
-}
-
-// Formats whose integer sub-block scales fold into B exactly, so that a super-block's 8 groups sum in
-// one tile under its one d (one store and scaling per 256 inputs instead of per 16):
-// - Q3_K's (code - 4) x scale is within 4 x 32 = 128, which bf16 holds;
-// - Q6_K's (code - 32) x int8 scale is an integer of up to 13 bits: exact as two bf16 terms, B in two
-//   planes (kPlanes: hi, then what bf16 left), each activation term times both (four products a
-//   group, as its two units of 16 took). 512-row tiles 11-29 % faster than the units of 16; 64 rows
-//   up to 1.4x slower (two planes decoded a call). Not the units' order of fp32 additions: the
-//   quality bench's KL to exact read the same (4.0e-5).
-// Q2_K (mins per 16 inputs) and Q4_K / Q5_K (products with a min) do not.
-template <class D>
-constexpr bool kFolds = D::kFmt == tm_vnni::kQ3K || D::kFmt == tm_vnni::kQ6K;
-template <class D>
-constexpr int kPlanes = D::kFmt == tm_vnni::kQ6K ? 2 : 1;
-
-// Activation terms a format's tiles multiply: Q8_0 and Q6_K take hi = bf16(x) alone (one product a
-// unit and plane instead of two, and half the A tiles loaded), the others hi and lo; a caller may ask
-// for two whatever the format (`two_terms`: the lm_head, whose sums are the logits). Measured with
-// `tokenmill bench quality --mode prefill` (fast against exact, 1,785 positions; docs/benchmarks.md,
-// "Q8_0 and Q6_K prompts on one activation term"): with these two on one term (the lm_head on two)
-// every mix keeps top-1 >= 99 % (the Q6_K mix 99.66 -> 99.05 %, Q8_0 99.44 -> 99.33 %) and a KL mean under
-// 1e-4 (the bundled Q4_1's bf16 GEMM: 1.9e-4), and a Q8_0 / Q6_K prompt runs 1.2-1.3x faster; one
-// term everywhere took the mixes whose layers are 4- and 5-bit (Q4_0, Q4_K, Q5_0, Q5_K) under 99 %
-// (Q3_K_M 98.49 %, Q4_K_M 98.88 %, Gemma 3 98.94 %).
-template <class D>
-constexpr int kTerms = D::kFmt == tm_vnni::kQ8 || D::kFmt == tm_vnni::kQ6K ? 1 : 2;
-
-// Quad j's values (v[i]: columns 4 i .. 4 i + 3, lane 4 c + e) as bf16 into B's rows 2 j, 2 j + 1: dword
-// 2 c' + h of lo8 / hi8 is column c' (of 0-7 / 8-15), inputs 4 j + 2 h, + 1.
-TA_TARGET TA_INLINE void store_rows(const __m512 (&v)[4], uint16_t* b, int j) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512i lo8 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
-  const __m512i hi8 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
-  _mm512_storeu_si512(b + (2 * j) * 32, _mm512_permutex2var_epi32(lo8, even, hi8));
-  _mm512_storeu_si512(b + (2 * j + 1) * 32, _mm512_permutex2var_epi32(lo8, odd, hi8));
-}
-
-// A group's codes minus the offset as bf16 in B's layout: row i holds inputs 2 i, 2 i + 1 of the 16
-// columns (dword c = column c). Quad j (inputs 4 j .. 4 j + 3; byte 4 c + e) gives rows 2 j, 2 j + 1.
-// `sub` (kFolds formats): each half's 16 column scales, multiplied in; `b_lo` (kPlanes 2): what
-// bf16 left of each product, as a second B.
-template <class D>
-TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m512* sub = nullptr, uint16_t* b_lo = nullptr) {
-  __m512i q[8];
-  tm_vnni::pair<D, 0>(p, q[0], q[4]);
-  tm_vnni::pair<D, 1>(p, q[1], q[5]);
-  tm_vnni::pair<D, 2>(p, q[2], q[6]);
-  tm_vnni::pair<D, 3>(p, q[3], q[7]);
-  const __m512i off = _mm512_set1_epi32(D::kOffset);
-  const __m512i lane_col = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
-    __m512 v[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {  // columns 4 i .. 4 i + 3, lane 4 c + e
-      const __m128i bytes = i == 0 ? _mm512_extracti32x4_epi32(q[j], 0) : i == 1 ? _mm512_extracti32x4_epi32(q[j], 1)
-                            : i == 2 ? _mm512_extracti32x4_epi32(q[j], 2) : _mm512_extracti32x4_epi32(q[j], 3);
-      v[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), off));
-      if (sub != nullptr)  // times column 4 i + c's scale of half j / 4 (exact: kFolds)
-        v[i] = _mm512_mul_ps(v[i], _mm512_permutexvar_ps(_mm512_add_epi32(lane_col, _mm512_set1_epi32(4 * i)), sub[j / 4]));
-    }
-    store_rows(v, b, j);
-    if (b_lo != nullptr) {  // what bf16 left of each value, exact: a second plane
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v[i]));
-        v[i] = _mm512_sub_ps(v[i], _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
-      }
-      store_rows(v, b_lo, j);
-    }
-  }
-}
-
-// Groups g0..g1 of one column block: B tiles (1 kB a group and plane) and scales and mins per run of units
-// ([runs, 16] fp32 each; mins only for formats with them): per unit, or for kFolds formats the
-// super-block's d (its sub-block scales in B). g0 is a whole number of super-blocks for the
-// super-block formats.
-template <class D>
-TA_TARGET void decode_block(const Weights& w, int64_t nb, int64_t g0, int64_t g1, uint16_t* b, float* sc, float* mn) {
-  const bool has_min = D::has_min(w);
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* codes = w.codes + (nb * w.G + g) * D::kBits * 64;
-    uint16_t* bg = b + (g - g0) * 512 * kPlanes<D>;
-    if constexpr (kFolds<D>) {
-      const int64_t j = g % tm_vnni::kSuper;
-      const __m512 sub[2] = {tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j)), tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j + 1))};
-      decode_group_b<D>(codes, bg, sub, kPlanes<D> == 2 ? bg + 512 : nullptr);
-      if (j == 0) _mm512_storeu_ps(sc + ((g - g0) / tm_vnni::kSuper) * kCols, tm_vnni::load_half16(w.scales + D::at(w, nb, g)));
-      continue;
-    }
-    decode_group_b<D>(codes, bg);
-    __m512 s[D::kSubs], m[D::kSubs];
-    D::scales(w, nb, g, s);
-    if (has_min) D::mins(w, nb, g, m);
-    for (int h = 0; h < D::kSubs; ++h) {
-      _mm512_storeu_ps(sc + ((g - g0) * D::kSubs + h) * kCols, s[h]);
-      if (has_min) _mm512_storeu_ps(mn + ((g - g0) * D::kSubs + h) * kCols, m[h]);
-    }
-  }
 }
 
 // acc[r] += the stored unit sums of row r * the unit's scales (+ its mins * the row's sum of x).
