@@ -163,7 +163,13 @@ class TokenizerManager:
             return False
         ready = asyncio.gather(self._scheduler_ready.wait(), self._detokenizer_ready.wait())
         failed = asyncio.ensure_future(self._startup_failed.wait())
-        await asyncio.wait({ready, failed}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({ready, failed}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # stopped while starting (a signal): end both waits, quietly
+            ready.cancel()
+            failed.cancel()
+            await asyncio.gather(ready, failed, return_exceptions=True)
+            raise
         failed.cancel()
         if self.status is ServerStatus.UNHEALTHY:
             ready.cancel()
