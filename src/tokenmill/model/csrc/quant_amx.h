@@ -327,8 +327,8 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
               if (has_min) tile_pair<W, true, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
               else tile_pair<W, false, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
             };
-            if (kTerms<D> == 1 && !two_terms) pair.template operator()<1>();
-            else pair.template operator()<2>();
+            if (kTerms<D> == 2 || two_terms) pair.template operator()<2>();
+            else if constexpr (kTerms<D> == 1) pair.template operator()<1>();  // only where a format has it
           }
         }
       }
