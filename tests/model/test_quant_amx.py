@@ -33,6 +33,13 @@ def amx_bound(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tensor:
     return 2.0**-16 * 1.01 * (x.double().abs() @ w.double().abs().T) + fp32_bound(x, w)
 
 
+def two_planes(w: torch.Tensor) -> torch.Tensor:
+    """w as the tiles take Q6_K's weights, all of its scale multiplied in (quant_amx_weights.h
+    kFoldsScale): hi = bf16(w), plus bf16 of what hi left (exact in fp32); within 2^-16 of w."""
+    hi = w.bfloat16().float()
+    return hi.double() + (w - hi).bfloat16().double()
+
+
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("rows", [1, 16, 17, 50])
 def test_tiles_within_their_bf16_terms_of_the_exact_product(kind, rows):
@@ -44,8 +51,9 @@ def test_tiles_within_their_bf16_terms_of_the_exact_product(kind, rows):
     exact = x.double() @ ref.double().T
     got = quant_kernel.blocked_linear_amx(x, bw).double()
     assert ((got - exact).abs() <= amx_bound(x, ref, kind)).all()
-    if kind in AMX_ONE_TERM:  # bf16(x) times the exact weights, to fp32's rounding
-        rounded = x.bfloat16().double() @ ref.double().T
+    if kind in AMX_ONE_TERM:  # bf16(x) times the weights (Q6_K's as two bf16 planes), to fp32's rounding
+        w = two_planes(ref) if kind == "Q6_K" else ref
+        rounded = x.bfloat16().double() @ w.double().T
         assert ((got - rounded).abs() <= fp32_bound(x, ref)).all()
     else:  # closer than the VNNI kernel's two int8 terms on the whole
         vnni = quant_kernel.blocked_linear(x, bw, amx=False).double()
@@ -55,8 +63,8 @@ def test_tiles_within_their_bf16_terms_of_the_exact_product(kind, rows):
 @pytest.mark.parametrize("super_blocks", [1, 3])
 @pytest.mark.parametrize("kind", ["Q3_K", "Q6_K"])
 def test_super_block_formats_over_odd_counts_of_super_blocks(kind, super_blocks):
-    # Q3_K and Q6_K fold their sub-block scales into the tiles' B (Q6_K's products in two bf16 planes)
-    # and sum a super-block's 8 groups in one tile: runs of 8 units, 1 and 3 of them
+    # Q3_K folds its sub-block scales into the tiles' B and sums a super-block's 8 groups in one tile
+    # (runs of 8 units, 1 and 3 of them); Q6_K all of its scale (two bf16 planes), the whole span in one
     k = 256 * super_blocks
     bw, ref, _ = weight(kind, 32, k, seed=super_blocks)
     ref = torch.as_tensor(ref)

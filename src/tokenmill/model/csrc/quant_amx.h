@@ -13,14 +13,16 @@
 // Nothing is rounded but the activations' ~16 bits and fp32 sums: closer to the float64 product than
 // the VNNI kernel's two int8 terms (~15 bits), and oneDNN's bf16 GEMM over dequantized weights
 // (8-bit weights, activations and outputs) is what the formats with more than 4-bit codes failed
-// the quality bound on. Q8_0 and Q6_K take hi alone: their weights stay exact, and the quality bound
-// holds with the activations' 8 bits (measured: kTerms, quant_amx_weights.h).
+// the quality bound on. Q8_0 and Q6_K take hi alone (Q8_0's weights exact, Q6_K's scales multiplied
+// into two bf16 planes of ~16 bits): the quality bound holds with the activations' 8 bits (measured:
+// kTerms, kFoldsScale, quant_amx_weights.h).
 //
 // Layout: a block's codes are decoded once per call into AMX's B layout (quant_amx_weights.h; per
 // group of 32 inputs: 16 rows of 16 columns x 2 consecutive inputs, 1 kB), a chunk of blocks and a
 // span of the inputs at a time so that it stays in L2 while every 16-row tile of the step runs over it
 // (blocks_of). Formats with two sub-blocks a group take each half as a unit of 16 inputs with its own
-// scale (Q2_K), or fold the sub-block scales into B (kFolds: Q3_K, Q6_K). Units of 32 inputs run two
+// scale (Q2_K), or fold the sub-block scales into B (kFolds: Q3_K), or all of the scale (kFoldsScale:
+// Q6_K; no scaling between a span's groups). Units of 32 inputs run two
 // row tiles x two column blocks at a time (tile_pair), so that each A and B tile loaded serves two
 // products.
 // Linux hands a process the tile registers only when asked (arch_prctl): amx_ready() (amx_tiles.h) asks once.
@@ -200,8 +202,9 @@ TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t 
 // 34-38 ns a tile and group against 45-50; docs/benchmarks.md, "The quantized kernel's prompt tiles two
 // by two"). rows[i]: tile i's real rows (0: no second tile, the first one's rows multiplied again and
 // dropped); b[j], sc[j], mn[j]: block j's decode_block output (b[1] null: no second block, likewise),
-// y[j]: its first row's sums in y, written or (`add`) added to. Planes: B's (kPlanes); Terms: the
-// activation terms multiplied (kTerms). Per unit and tile the arithmetic is tile_block's, in the same
+// y[j]: its first row's sums in y, written or (`add`) added to. Run: units summed in a tile before it
+// is stored and scaled (0: all of the span); Planes: B's (kPlanes); Terms: the activation terms
+// multiplied (kTerms). Per unit and tile the arithmetic is tile_block's, in the same
 // order: the same sums bit for bit (one plane, two terms).
 template <int W, bool HasMin, int Run, int Planes, int Terms>
 TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2], int64_t u0, int64_t units,
@@ -231,13 +234,14 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
   const uint16_t* b1 = bt == 2 ? b[1] : b[0];
   const float* sc1 = bt == 2 ? sc[1] : sc[0];
   const float* mn1 = bt == 2 ? mn[1] : mn[0];
-  for (int64_t r = 0; r < units / Run; ++r) {
+  const int64_t run = Run > 0 ? Run : units;
+  for (int64_t r = 0; r < units / run; ++r) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int i = 0; i < Run; ++i) {
-      const int64_t uu = r * Run + i;
+    for (int64_t i = 0; i < run; ++i) {
+      const int64_t uu = r * run + i;
       const uint16_t* bu0 = b0 + uu * kUnitB;
       const uint16_t* bu1 = b1 + uu * kUnitB;
       TA_MULTIPLY_A(hi0 + uu * W, hi1 + uu * W, bu0, bu1);
@@ -279,8 +283,8 @@ template <class D>
 TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy,
                          bool two_terms) {
   if (nb1 <= nb0) return;
-  constexpr int W = kFolds<D> ? kGroup : kGroup / D::kSubs;  // inputs a unit
-  constexpr int Run = kFolds<D> ? tm_vnni::kSuper : 1;      // units summed in one tile
+  constexpr int W = kFolds<D> || kFoldsScale<D> ? kGroup : kGroup / D::kSubs;  // inputs a unit
+  constexpr int Run = kFoldsScale<D> ? 0 : kFolds<D> ? tm_vnni::kSuper : 1;  // units summed in one tile (0: all)
   constexpr int64_t kUnitsPerGroup = kGroup / W;
   const int64_t span = std::min(w.G, kSpanGroups), span_units = span * kUnitsPerGroup;
   const int64_t block_b = span * 512 * kPlanes<D>;  // bf16 values of decoded B a column block

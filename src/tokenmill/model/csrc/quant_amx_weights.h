@@ -19,18 +19,24 @@ using tm_vnni::kCols;
 using tm_vnni::Weights;
 
 // Formats whose integer sub-block scales fold into B exactly, so that a super-block's 8 groups sum in
-// one tile under its one d (one store and scaling per 256 inputs instead of per 16):
-// - Q3_K's (code - 4) x scale is within 4 x 32 = 128, which bf16 holds;
-// - Q6_K's (code - 32) x int8 scale is an integer of up to 13 bits: exact as two bf16 terms, B in two
-//   planes (kPlanes: hi, then what bf16 left), each activation term times both (four products a
-//   group, as its two units of 16 took). 512-row tiles 11-29 % faster than the units of 16; 64 rows
-//   up to 1.4x slower (two planes decoded a call). Not the units' order of fp32 additions: the
-//   quality bench's KL to exact read the same (4.0e-5).
-// Q2_K (mins per 16 inputs) and Q4_K / Q5_K (products with a min) do not.
+// one tile under its one d (one store and scaling per 256 inputs instead of per 16): Q3_K's (code -
+// 4) x scale is within 4 x 32 = 128, which bf16 holds. Q2_K (mins per 16 inputs) and Q4_K / Q5_K
+// (products with a min) do not.
 template <class D>
-constexpr bool kFolds = D::kFmt == tm_vnni::kQ3K || D::kFmt == tm_vnni::kQ6K;
+constexpr bool kFolds = D::kFmt == tm_vnni::kQ3K;
+
+// Formats whose whole scale (Q6_K: d x its int8 sub-block scale) is multiplied into B, each weight as
+// two bf16 planes (kPlanes: hi = bf16(w), then what bf16 left: ~16 bits, w's error under 2^-16 of
+// it, where bf16(x) rounds the activations by up to 2^-8): the tiles sum a whole span of the inputs
+// (32 groups) with no store or scaling between its super-blocks. Why: a tile stored and scaled every
+// super-block waits for its products each time; measured (`/work/scratch/s34/fold_speed.py`, both
+// alternating in one process, best of 21 rounds, 2 threads), Q6_K 576 x 1,536 at 512 rows 1.39 ->
+// 1.17 ms, at 128 rows 0.43 -> 0.39. Not Q8_0: one plane of exact codes becomes two, decoded a call,
+// and its 512-row tiles gained nothing on two threads (0.98-1.02x) while 64-128 rows lost (0.58-0.87x).
 template <class D>
-constexpr int kPlanes = D::kFmt == tm_vnni::kQ6K ? 2 : 1;
+constexpr bool kFoldsScale = D::kFmt == tm_vnni::kQ6K;
+template <class D>
+constexpr int kPlanes = kFoldsScale<D> ? 2 : 1;
 
 // Activation terms a format's tiles multiply: Q8_0 and Q6_K take hi = bf16(x) alone (one product a
 // unit and plane instead of two, and half the A tiles loaded), the others hi and lo; a caller may ask
@@ -59,8 +65,8 @@ TA_TARGET TA_INLINE void store_rows(const __m512 (&v)[4], uint16_t* b, int j) {
 
 // A group's codes minus the offset as bf16 in B's layout: row i holds inputs 2 i, 2 i + 1 of the 16
 // columns (dword c = column c). Quad j (inputs 4 j .. 4 j + 3; byte 4 c + e) gives rows 2 j, 2 j + 1.
-// `sub` (kFolds formats): each half's 16 column scales, multiplied in; `b_lo` (kPlanes 2): what
-// bf16 left of each product, as a second B.
+// `sub` (kFolds, kFoldsScale formats): each half's 16 column scales, multiplied in; `b_lo` (kPlanes
+// 2): what bf16 left of each product, as a second B.
 template <class D>
 TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m512* sub = nullptr, uint16_t* b_lo = nullptr) {
   __m512i q[8];
@@ -78,11 +84,11 @@ TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m
       const __m128i bytes = i == 0 ? _mm512_extracti32x4_epi32(q[j], 0) : i == 1 ? _mm512_extracti32x4_epi32(q[j], 1)
                             : i == 2 ? _mm512_extracti32x4_epi32(q[j], 2) : _mm512_extracti32x4_epi32(q[j], 3);
       v[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), off));
-      if (sub != nullptr)  // times column 4 i + c's scale of half j / 4 (exact: kFolds)
+      if (sub != nullptr)  // times column 4 i + c's scale of half j / 4
         v[i] = _mm512_mul_ps(v[i], _mm512_permutexvar_ps(_mm512_add_epi32(lane_col, _mm512_set1_epi32(4 * i)), sub[j / 4]));
     }
     store_rows(v, b, j);
-    if (b_lo != nullptr) {  // what bf16 left of each value, exact: a second plane
+    if (b_lo != nullptr) {  // what bf16 left of each value: a second plane
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v[i]));
@@ -94,19 +100,27 @@ TA_TARGET TA_INLINE void decode_group_b(const uint8_t* p, uint16_t* b, const __m
 }
 
 // Groups g0..g1 of one column block: B tiles (1 kB a group and plane) and scales and mins per run of units
-// ([runs, 16] fp32 each; mins only for formats with them): per unit, or for kFolds formats the
-// super-block's d (its sub-block scales in B). g0 is a whole number of super-blocks for the
-// super-block formats.
+// ([runs, 16] fp32 each; mins only for formats with them): per unit, for kFolds formats the
+// super-block's d (its sub-block scales in B), for kFoldsScale formats one run of ones (all of the
+// scale in B). g0 is a whole number of super-blocks for the super-block formats.
 template <class D>
 TA_TARGET void decode_block(const Weights& w, int64_t nb, int64_t g0, int64_t g1, uint16_t* b, float* sc, float* mn) {
   const bool has_min = D::has_min(w);
+  if constexpr (kFoldsScale<D>) _mm512_storeu_ps(sc, _mm512_set1_ps(1.0f));
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* codes = w.codes + (nb * w.G + g) * D::kBits * 64;
     uint16_t* bg = b + (g - g0) * 512 * kPlanes<D>;
+    if constexpr (kFoldsScale<D>) {
+      __m512 s[D::kSubs];
+      D::scales(w, nb, g, s);
+      const __m512 sub[2] = {s[0], s[D::kSubs - 1]};  // each half's column scales
+      decode_group_b<D>(codes, bg, sub, bg + 512);
+      continue;
+    }
     if constexpr (kFolds<D>) {
       const int64_t j = g % tm_vnni::kSuper;
       const __m512 sub[2] = {tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j)), tm_vnni::load_i8x16(D::sub(w, nb, g, 2 * j + 1))};
-      decode_group_b<D>(codes, bg, sub, kPlanes<D> == 2 ? bg + 512 : nullptr);
+      decode_group_b<D>(codes, bg, sub);
       if (j == 0) _mm512_storeu_ps(sc + ((g - g0) / tm_vnni::kSuper) * kCols, tm_vnni::load_half16(w.scales + D::at(w, nb, g)));
       continue;
     }
