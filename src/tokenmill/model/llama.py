@@ -88,6 +88,8 @@ class DecoderLayer:
         return self.down(F.silu(gate) * up)
 
     def mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gate_up, QuantizedLinear):  # the activation may run in its kernel's epilogue
+            return self.down(self.gate_up.silu_mul(h))
         return self.down(fused_ops.silu_mul(self.gate_up(h)))
 
     def mlp_parts(self) -> dict[str, object]:

@@ -33,4 +33,13 @@ inline __attribute__((always_inline)) F exp_nonpos_t(F x) {
 
 inline __attribute__((always_inline)) float exp_nonpos(float x) { return exp_nonpos_t<float, int32_t>(x); }
 
+// silu(x) * u = x * sigmoid(x) * u, sigmoid from exp(-|x|) (no overflow): fused_ops.h's silu_mul and
+// the AMX tiles' gate / up epilogue (quant_amx.h), for floats or GCC vectors of them alike.
+template <typename F, typename I>
+inline __attribute__((always_inline)) F silu_mul_t(F x, F u) {
+  const F e = exp_nonpos_t<F, I>(x > 0.f ? -x : x);
+  const F sig = x > 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+  return x * sig * u;
+}
+
 }  // namespace tm_math

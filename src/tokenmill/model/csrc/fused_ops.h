@@ -45,8 +45,6 @@
 namespace tm_fused {
 namespace {
 
-using tm_math::exp_nonpos;
-
 #define TF_INLINE inline __attribute__((always_inline))
 
 // fp32 -> bf16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. Branch-free
@@ -100,12 +98,8 @@ constexpr float kRoundShifter = 12582912.0f;
       const In* g = gu + t * 2 * inter;                                                              \
       const In* u = g + inter;                                                                       \
       Out* o = out + t * inter;                                                                      \
-      _Pragma("omp simd") for (int64_t i = 0; i < inter; ++i) {                                      \
-        const float x = load(g, i);                                                                  \
-        const float e = exp_nonpos(x > 0.f ? -x : x);                                                \
-        const float sig = x > 0.f ? 1.f / (1.f + e) : e / (1.f + e);                                 \
-        put(o, i, x * sig * load(u, i));                                                             \
-      }                                                                                              \
+      _Pragma("omp simd") for (int64_t i = 0; i < inter; ++i)                                        \
+        put(o, i, tm_math::silu_mul_t<float, int32_t>(load(g, i), load(u, i)));                       \
     }                                                                                                \
   }                                                                                                  \
   template <typename In, typename Out>                                                               \

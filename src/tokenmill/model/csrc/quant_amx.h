@@ -33,6 +33,7 @@
 
 #include <immintrin.h>
 
+#include "exp_approx.h"
 #include "quant_amx_acts.h"
 #include "quant_amx_weights.h"
 #include "quant_blocks.h"
@@ -104,6 +105,13 @@ TA_TARGET TA_INLINE void scale_unit(float* acc, const float* c, const float* sc,
     for (int r = 0; r < kTileRows; ++r)
       _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_load_ps(c + 16 * r), s, _mm512_load_ps(acc + 16 * r)));
   }
+}
+
+// silu(g) * u on 16 lanes, fused_ops.h's silu_mul to the bit (exp_approx.h).
+TA_TARGET TA_INLINE __m512 silu_mul16(__m512 g, __m512 u) {
+  using F = float __attribute__((vector_size(64)));
+  using I = int32_t __attribute__((vector_size(64)));
+  return (__m512)tm_math::silu_mul_t<F, I>((F)g, (F)u);
 }
 
 // A run of Run units' products into one set of tiles (sums C, A hi, A lo, B: literal tile numbers,
@@ -209,7 +217,7 @@ TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t 
 template <int W, bool HasMin, int Run, int Planes, int Terms>
 TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2], int64_t u0, int64_t units,
                          const uint16_t* const (&b)[2], const float* const (&sc)[2], const float* const (&mn)[2],
-                         float* const (&y)[2], int64_t ldy, bool add) {
+                         float* const (&y)[2], int64_t ldy, bool add, bool glu = false) {
   static_assert(W == 32, "units of 16 inputs run tile_block");
   alignas(64) float c[4][kTileRows * kCols];
   alignas(64) float acc[4][kTileRows * kCols];
@@ -262,6 +270,12 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
       if (bt == 2) scale_unit<HasMin>(acc[3], c[3], sc1 + r * kCols, mn1 + r * kCols, sums1 + r, sum_stride);
     }
   }
+  if (glu) {  // block 0 a gate's columns, block 1 the up projection's: silu(gate) * up into y[0]
+    for (int64_t i = 0; i < rt; ++i)
+      for (int64_t r = 0; r < rows[i]; ++r)
+        _mm512_storeu_ps(y[0] + (16 * i + r) * ldy, silu_mul16(_mm512_load_ps(acc[2 * i] + 16 * r), _mm512_load_ps(acc[2 * i + 1] + 16 * r)));
+    return;
+  }
   for (int64_t i = 0; i < rt; ++i)
     for (int64_t j = 0; j < bt; ++j)
       for (int64_t r = 0; r < rows[i]; ++r) _mm512_storeu_ps(y[j] + (16 * i + r) * ldy, _mm512_load_ps(acc[2 * i + j] + 16 * r));
@@ -278,39 +292,46 @@ constexpr int64_t kChunkBytes = 1024 * 1024;
 constexpr int64_t kSpanGroups = 32;
 
 // Blocks nb0..nb1 of one weight x all of a's rows, into y's columns (ldy = y's row length); two_terms:
-// both activation terms whatever kTerms<D> says.
+// both activation terms whatever kTerms<D> says. up > 0 (a gate and an up projection stacked in w,
+// inputs in one span, units of 32: glu_fuses): block nb is the gate's, nb + up the up projection's,
+// and y's column block nb gets silu(gate) * up.
 template <class D>
 TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy,
-                         bool two_terms) {
+                         bool two_terms, int64_t up = 0) {
   if (nb1 <= nb0) return;
   constexpr int W = kFolds<D> || kFoldsScale<D> ? kGroup : kGroup / D::kSubs;  // inputs a unit
   constexpr int Run = kFoldsScale<D> ? 0 : kFolds<D> ? tm_vnni::kSuper : 1;  // units summed in one tile (0: all)
   constexpr int64_t kUnitsPerGroup = kGroup / W;
+  TORCH_CHECK(up == 0 || (W == kGroup && w.G <= kSpanGroups), "AMX tiles: no silu(gate) * up for this weight");
   const int64_t span = std::min(w.G, kSpanGroups), span_units = span * kUnitsPerGroup;
   const int64_t block_b = span * 512 * kPlanes<D>;  // bf16 values of decoded B a column block
   const int64_t block_bytes = 2 * block_b + 2 * span_units * kCols * 4;
-  const int64_t most = std::max<int64_t>(1, kChunkBytes / block_bytes), blocks = nb1 - nb0;
+  const int64_t per = up > 0 ? 2 : 1;  // decoded blocks a column block of y (slots: nb's, then nb + up's)
+  const int64_t most = std::max<int64_t>(1, kChunkBytes / (per * block_bytes)), blocks = nb1 - nb0;
   const int64_t chunk = (blocks + (blocks + most - 1) / most - 1) / ((blocks + most - 1) / most);  // even chunks
   thread_local std::vector<uint16_t> bbuf;
   thread_local std::vector<float> sbuf;
-  bbuf.resize(static_cast<size_t>(chunk * block_b));
-  sbuf.resize(static_cast<size_t>(chunk * 2 * span_units * kCols));
+  bbuf.resize(static_cast<size_t>(chunk * per * block_b));
+  sbuf.resize(static_cast<size_t>(chunk * per * 2 * span_units * kCols));
   configure<W>();
   const bool has_min = D::has_min(w);
+  auto slot_b = [&](int64_t slot) { return bbuf.data() + slot * block_b; };
+  auto slot_s = [&](int64_t slot) { return sbuf.data() + slot * 2 * span_units * kCols; };
   for (int64_t c0 = nb0; c0 < nb1; c0 += chunk) {
     const int64_t c1 = std::min(nb1, c0 + chunk);
     for (int64_t g0 = 0; g0 < w.G; g0 += span) {
       const int64_t g1 = std::min(w.G, g0 + span), units = (g1 - g0) * kUnitsPerGroup, u0 = g0 * kUnitsPerGroup;
-      for (int64_t nb = c0; nb < c1; ++nb) {
-        float* s = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
-        decode_block<D>(w, nb, g0, g1, bbuf.data() + (nb - c0) * block_b, s, s + span_units * kCols);
-      }
+      for (int64_t nb = c0; nb < c1; ++nb)
+        for (int64_t p = 0; p < per; ++p) {
+          const int64_t slot = (nb - c0) * per + p;
+          decode_block<D>(w, nb + p * up, g0, g1, slot_b(slot), slot_s(slot), slot_s(slot) + span_units * kCols);
+        }
       if constexpr (W == 16) {
         for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
           const int64_t rows = std::min(kTileRows, M - m0);
           for (int64_t nb = c0; nb < c1; ++nb) {
-            const uint16_t* b = bbuf.data() + (nb - c0) * block_b;
-            const float* s = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
+            const uint16_t* b = slot_b(nb - c0);
+            const float* s = slot_s(nb - c0);
             float* yt = y + m0 * ldy + nb * kCols;
             if (has_min) tile_block<W, true, Run>(a, m0, rows, u0, units, b, s, s + span_units * kCols, yt, ldy, g0 > 0);
             else tile_block<W, false, Run>(a, m0, rows, u0, units, b, s, s + span_units * kCols, yt, ldy, g0 > 0);
@@ -319,17 +340,19 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
       } else {
         for (int64_t m0 = 0; m0 < M; m0 += 2 * kTileRows) {
           const int64_t rows[2] = {std::min(kTileRows, M - m0), std::clamp<int64_t>(M - m0 - kTileRows, 0, kTileRows)};
-          for (int64_t nb = c0; nb < c1; nb += 2) {
-            const bool two = nb + 1 < c1;
-            const float* s0 = sbuf.data() + (nb - c0) * 2 * span_units * kCols;
-            const float* s1 = two ? s0 + 2 * span_units * kCols : nullptr;
-            const uint16_t* const b[2] = {bbuf.data() + (nb - c0) * block_b, two ? bbuf.data() + (nb + 1 - c0) * block_b : nullptr};
+          // two slots a pair: two of y's blocks, or (up) one block's gate and up projection
+          for (int64_t nb = c0; nb < c1; nb += 2 / per) {
+            const int64_t slot = (nb - c0) * per;
+            const bool two = up > 0 || nb + 1 < c1;
+            const float* s0 = slot_s(slot);
+            const float* s1 = two ? slot_s(slot + 1) : nullptr;
+            const uint16_t* const b[2] = {slot_b(slot), two ? slot_b(slot + 1) : nullptr};
             const float* const sc[2] = {s0, s1};
             const float* const mn[2] = {s0 + span_units * kCols, two ? s1 + span_units * kCols : nullptr};
-            float* const yt[2] = {y + m0 * ldy + nb * kCols, y + m0 * ldy + (nb + 1) * kCols};
+            float* const yt[2] = {y + m0 * ldy + nb * kCols, y + m0 * ldy + (up > 0 ? nb : nb + 1) * kCols};
             auto pair = [&]<int Terms>() {
-              if (has_min) tile_pair<W, true, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
-              else tile_pair<W, false, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0);
+              if (has_min) tile_pair<W, true, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0, up > 0);
+              else tile_pair<W, false, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0, up > 0);
             };
             if (kTerms<D> == 2 || two_terms) pair.template operator()<2>();
             else if constexpr (kTerms<D> == 1) pair.template operator()<1>();  // only where a format has it
@@ -341,27 +364,44 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
   _tile_release();
 }
 
+// Whether blocks_of fuses silu(gate) * up for a gate and up projection stacked in w over K inputs:
+// units of 32 inputs (every format but Q2_K's halves) and K in one span.
+inline bool glu_fuses(const Weights& w) {
+  bool units32 = false;
+  tm_vnni::with_decoder(w.fmt, [&]<class D>() { units32 = kFolds<D> || kFoldsScale<D> || D::kSubs == 1; });
+  return units32 && w.G <= kSpanGroups;
+}
+
 // Blocks nb0..nb1 of one weight of any format x all M rows of a (ldy = y's row length).
 inline void blocks(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy,
-                   bool two_terms = false) {
-  tm_vnni::with_decoder(w.fmt, [&]<class D>() { blocks_of<D>(w, a, M, nb0, nb1, y, ldy, two_terms); });
+                   bool two_terms = false, int64_t up = 0) {
+  tm_vnni::with_decoder(w.fmt, [&]<class D>() { blocks_of<D>(w, a, M, nb0, nb1, y, ldy, two_terms, up); });
 }
 
 #else
-inline void blocks(const Weights&, const SplitActs&, int64_t, int64_t, int64_t, float*, int64_t, bool = false) {}
+inline void blocks(const Weights&, const SplitActs&, int64_t, int64_t, int64_t, float*, int64_t, bool = false, int64_t = 0) {}
+inline bool glu_fuses(const Weights&) { return false; }
 #endif  // TM_AMX_COMPILES
+
+// x's rows as the tiles take them, in `scratch` (the caller's, alive while they are read).
+inline SplitActs split_rows(const at::Tensor& x, at::Tensor& scratch) {
+  const int64_t M = x.size(0), K = x.size(1);
+  scratch = at::empty({split_floats(M, K)}, x.options());
+  const SplitActs a = make_split(scratch.data_ptr<float>(), M, K);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, a.Mp, kTileRows, [&](int64_t m0, int64_t m1) { split_into(xp, m0, m1, M, a); });
+  return a;
+}
 
 // y [M, N] = x @ W^T for weights side by side (quant_vnni.cpp `multiply`'s parts), on AMX tiles
 // (two_terms: see kTerms).
 inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
                            bool two_terms = false) {
-  const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
+  const int64_t M = x.size(0), nblocks = block0.back(), N = nblocks * kCols;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  at::Tensor scratch = at::empty({split_floats(M, K)}, x.options());
-  const SplitActs a = make_split(scratch.data_ptr<float>(), M, K);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, a.Mp, kTileRows, [&](int64_t m0, int64_t m1) { split_into(xp, m0, m1, M, a); });
+  at::Tensor scratch;
+  const SplitActs a = split_rows(x, scratch);
   float* yp = y.data_ptr<float>();
   // Threads take column blocks (every thread reads all rows' activations from L2 / L3, which a
   // 512-row step of K = 1536 holds in 3 MB; each decodes only its own blocks).
@@ -371,6 +411,21 @@ inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, c
       if (lo < hi) blocks(w[i], a, M, lo - block0[i], hi - block0[i], yp + block0[i] * kCols, N, two_terms);
     }
   });
+  return y;
+}
+
+// silu(x @ gate^T) * (x @ up^T) [M, N / 2] for a gate and an up projection stacked in w (N rows, the
+// gate's first; glu_fuses(w)): the tiles' sums of a gate block and its up block meet in one tile_pair,
+// so neither is written out and no pass over them follows. A 512-row SmolLM2 gate / up with the
+// silu_mul after it: 2.35 -> 2.13 ms (docs/benchmarks.md, session 34).
+inline at::Tensor multiply_silu_mul(const at::Tensor& x, const Weights& w, int64_t N) {
+  const int64_t M = x.size(0), half = N / (2 * kCols);
+  at::Tensor y = at::empty({M, N / 2}, x.options());
+  if (M == 0) return y;
+  at::Tensor scratch;
+  const SplitActs a = split_rows(x, scratch);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, half, 1, [&](int64_t b0, int64_t b1) { blocks(w, a, M, b0, b1, yp, N / 2, false, half); });
   return y;
 }
 

@@ -23,6 +23,28 @@ at::Tensor linear_amx(const at::Tensor& x_in, const at::Tensor& codes, const at:
   return tm_amx::multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, two_tile_terms);
 }
 
+// silu(x @ gate^T) * (x @ up^T) [M, N / 2] for a gate and up projection stacked in one weight (N rows,
+// the gate's first) on AMX-BF16 tiles, the product's epilogue (tm_amx::multiply_silu_mul); where
+// silu_mul_fuses says so.
+at::Tensor linear_silu_mul(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                           const at::Tensor& subs, int64_t fmt, int64_t N) {
+  TORCH_CHECK(tm_amx::amx_ready(), "this process cannot run AMX-BF16 tiles");
+  const at::Tensor x = checked_x(x_in, 2);
+  const Weights w = check(codes, scales, mins, subs, fmt, N, x.size(1));
+  TORCH_CHECK(N % (2 * kCols) == 0 && tm_amx::glu_fuses(w), "linear_silu_mul: format ", fmt, " with ", x.size(1),
+              " inputs and ", N, " outputs does not fuse");
+  return tm_amx::multiply_silu_mul(x, w, N);
+}
+
+// Whether linear_silu_mul takes a weight of format fmt, N outputs (gate and up) and K inputs.
+bool silu_mul_fuses(int64_t fmt, int64_t N, int64_t K) {
+  if (!vnni_supported() || !tm_amx::amx_ready() || K % kGroup != 0 || N % (2 * kCols) != 0) return false;
+  Weights w{};
+  w.fmt = static_cast<int>(fmt);
+  w.G = K / kGroup;
+  return tm_amx::glu_fuses(w);
+}
+
 // The same on AMX-INT8 tiles (tests and benchmarks; `linear` picks by rows and format): 1 to
 // tm_amx::kAmxMinRows + 16 rows of a format that folds (quant_amx8.h).
 at::Tensor linear_amx8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
@@ -183,6 +205,9 @@ TORCH_LIBRARY(tokenmill_vnni, m) {
         &linear_amx);
   m.def("linear_amx8(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N) -> Tensor",
         &linear_amx8);
+  m.def("linear_silu_mul(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N) -> Tensor",
+        &linear_silu_mul);
+  m.def("silu_mul_fuses(int fmt, int N, int K) -> bool", &silu_mul_fuses);
   m.def("supported() -> bool", &supported);
   m.def("amx8_supported() -> bool", &amx8_supported);
   m.def("amx_supported() -> bool", &amx_supported);

@@ -62,6 +62,11 @@ def amx_available() -> bool:
     return vnni_available() and bool(torch.ops.tokenmill_vnni.amx_supported())
 
 
+def amx_min_rows() -> int:
+    """From how many rows two-term steps take the AMX-BF16 tiles (where amx_available())."""
+    return int(torch.ops.tokenmill_vnni.amx_min_rows())
+
+
 def amx8_available() -> bool:
     """Whether two-term steps of a few dozen rows of the super-block formats run on AMX-INT8 tiles here
     (csrc/quant_amx8.h)."""
@@ -96,6 +101,18 @@ def bound_blocked_linear(w: BlockedWeight, terms: int = 2, two_tile_terms: bool 
     args = (*blocked_args(w), terms)
     if two_tile_terms and blocked_kernel() == "vnni":  # the AVX2 kernel has no tiles
         args = (*args, True, True)
+    return lambda x: op(x, *args)
+
+
+def bound_blocked_silu_mul(w: BlockedWeight):
+    """x -> silu(x @ gate.T) * (x @ up.T) for a gate and up projection stacked in `w` (the gate's rows
+    first), the activation fused into the AMX-BF16 tiles' sums (csrc/quant_amx.h `multiply_silu_mul`),
+    for steps of amx_min_rows()+ rows; None where that does not run here (no AMX tiles, Q2_K's units
+    of 16, inputs wider than one span of the tiles)."""
+    if not amx_available() or not torch.ops.tokenmill_vnni.silu_mul_fuses(w.fmt, w.shape[0], w.shape[1]):
+        return None
+    op = torch.ops.tokenmill_vnni.linear_silu_mul.default
+    args = blocked_args(w)
     return lambda x: op(x, *args)
 
 

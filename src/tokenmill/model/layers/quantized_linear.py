@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.kernels import cpu_isa, quant_kernel
+from tokenmill.model.kernels import cpu_isa, fused_ops, quant_kernel
 from tokenmill.model.quant import BlockedWeight, QuantizedWeight, to_blocked
 from tokenmill.model.quant_formats import FORMATS
 from tokenmill.model.quantization_modes import PROMPT_GEMMS
@@ -83,6 +83,10 @@ class QuantizedLinear:
                          if isinstance(weight, BlockedWeight) else None)
         gemm_from = {"bf16": BLOCKED_DENSE_MIN_ROWS, "fp32": AVX2_DENSE_MIN_ROWS}.get(self.prompt_gemm)
         self._gemm_rows = NEVER_DENSE if gemm_from is None else max(dense_min_rows, gemm_from)
+        # A gate and up projection stacked (`silu_mul`): the activation in the AMX tiles' epilogue.
+        self._silu_mul = (quant_kernel.bound_blocked_silu_mul(weight)
+                          if self._blocked is not None and bias is None and not two_tile_terms else None)
+        self._silu_mul_rows = quant_kernel.amx_min_rows() if self._silu_mul is not None else NEVER_DENSE
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._blocked is not None and x.shape[0] < self._gemm_rows and self.bias is None:
@@ -105,6 +109,14 @@ class QuantizedLinear:
             w = quant_kernel.dense_scratch(self.weight, dtype) if self.kernel else self.weight.dequantize(dtype)
             out = F.linear(x.to(dtype), w).float()
         return out if self.bias is None else out.add_(self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's output [gate | up] (a gated MLP's stacked gate and up
+        projections): fused into the AMX tiles' sums where they take the rows (neither half written out,
+        no pass over them after), else fused_ops.silu_mul after the call."""
+        if self._silu_mul_rows <= x.shape[0] < self._gemm_rows and x.dtype == torch.float32:
+            return self._silu_mul(x)
+        return fused_ops.silu_mul(self(x))
 
     def runs_kernel(self, rows: int) -> bool:
         """Whether a call of `rows` rows runs the blocked kernel on a float32 input, as it comes."""
