@@ -74,9 +74,10 @@ def test_super_block_formats_over_odd_counts_of_super_blocks(kind, super_blocks)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_1", "Q4_K", "Q6_K", "Q3_K"])
-def test_wide_inputs_run_in_spans_whose_sums_add_up(kind):
-    # 2,304 inputs: spans of 32 groups (1,024 inputs), the last one 8 groups (a single super-block)
-    k = 2304
+@pytest.mark.parametrize("k", [1536, 2304])
+def test_wide_inputs_run_in_spans_whose_sums_add_up(kind, k):
+    # 1,536 inputs: one span of 48 groups (kOneSpanGroups); 2,304: spans of 32 groups (1,024 inputs),
+    # the last one 8 groups (a single super-block)
     bw, ref, _ = weight(kind, 48, k, seed=5)
     ref = torch.as_tensor(ref)
     x = torch.randn(33, k)

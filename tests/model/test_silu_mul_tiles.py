@@ -26,8 +26,9 @@ def separate(x: torch.Tensor, bw) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q5_1", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 @pytest.mark.parametrize("rows", [48, 61, 130])
-def test_the_epilogue_gives_the_bits_of_the_product_and_silu_mul_after_it(kind, rows):
-    k = width(kind, 96, 512)
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_epilogue_gives_the_bits_of_the_product_and_silu_mul_after_it(kind, rows, wide):
+    k = 1536 if wide else width(kind, 96, 512)  # 1,536 inputs: the widest one span takes
     bw, _, _ = weight(kind, 2 * 48, k, seed=rows)  # gate and up of 48 columns each: 3 blocks (an odd count)
     fused = quant_kernel.bound_blocked_silu_mul(bw)
     assert fused is not None
@@ -41,7 +42,7 @@ def test_the_epilogue_gives_the_bits_of_the_product_and_silu_mul_after_it(kind, 
 
 def test_weights_the_epilogue_does_not_take_are_refused_by_name():
     q2k, _, _ = weight("Q2_K", 64, 256)  # units of 16 inputs
-    wide, _, _ = weight("Q8_0", 64, 2048)  # two spans of 1,024 inputs: the sums would add after the epilogue
+    wide, _, _ = weight("Q8_0", 64, 2048)  # spans of 1,024 inputs: the sums would add after the epilogue
     for bw in (q2k, wide):
         assert quant_kernel.bound_blocked_silu_mul(bw) is None
         with pytest.raises(RuntimeError, match="does not fuse"):

@@ -287,9 +287,14 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
 // kChunkBytes of decoded B, each piece over all of the rows, its sums added to the earlier pieces':
 // every piece streams its span of the rows' split activations (512 rows: 2 MB), so a wide K (8B
 // shapes: 4,096-14,336) no longer streams all of them (8-29 MB) for every few blocks. Spans are whole
-// super-blocks (a multiple of 8 groups).
+// super-blocks (a multiple of 8 groups). Up to kOneSpanGroups (1,536 inputs) the whole K is one span:
+// SmolLM2's down projection (48 groups) in spans of 32 + 16 ran 3-12 % slower than in one of 48 (Q8_0,
+// Q4_K at 64 and 512 rows; `/work/scratch/s34/span_speed.py`, both alternating in one process), where
+// 2,048 and 4,096 inputs in spans of 64 against 32 measured even (0.97-1.05x).
 constexpr int64_t kChunkBytes = 1024 * 1024;
 constexpr int64_t kSpanGroups = 32;
+constexpr int64_t kOneSpanGroups = 48;
+inline int64_t span_groups(int64_t G) { return G <= kOneSpanGroups ? G : kSpanGroups; }
 
 // Blocks nb0..nb1 of one weight x all of a's rows, into y's columns (ldy = y's row length); two_terms:
 // both activation terms whatever kTerms<D> says. up > 0 (a gate and an up projection stacked in w,
@@ -302,8 +307,8 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
   constexpr int W = kFolds<D> || kFoldsScale<D> ? kGroup : kGroup / D::kSubs;  // inputs a unit
   constexpr int Run = kFoldsScale<D> ? 0 : kFolds<D> ? tm_vnni::kSuper : 1;  // units summed in one tile (0: all)
   constexpr int64_t kUnitsPerGroup = kGroup / W;
-  TORCH_CHECK(up == 0 || (W == kGroup && w.G <= kSpanGroups), "AMX tiles: no silu(gate) * up for this weight");
-  const int64_t span = std::min(w.G, kSpanGroups), span_units = span * kUnitsPerGroup;
+  TORCH_CHECK(up == 0 || (W == kGroup && w.G <= kOneSpanGroups), "AMX tiles: no silu(gate) * up for this weight");
+  const int64_t span = span_groups(w.G), span_units = span * kUnitsPerGroup;
   const int64_t block_b = span * 512 * kPlanes<D>;  // bf16 values of decoded B a column block
   const int64_t block_bytes = 2 * block_b + 2 * span_units * kCols * 4;
   const int64_t per = up > 0 ? 2 : 1;  // decoded blocks a column block of y (slots: nb's, then nb + up's)
@@ -365,11 +370,11 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
 }
 
 // Whether blocks_of fuses silu(gate) * up for a gate and up projection stacked in w over K inputs:
-// units of 32 inputs (every format but Q2_K's halves) and K in one span.
+// units of 32 inputs (every format but Q2_K's halves) and K in one span (at most kOneSpanGroups groups).
 inline bool glu_fuses(const Weights& w) {
   bool units32 = false;
   tm_vnni::with_decoder(w.fmt, [&]<class D>() { units32 = kFolds<D> || kFoldsScale<D> || D::kSubs == 1; });
-  return units32 && w.G <= kSpanGroups;
+  return units32 && w.G <= kOneSpanGroups;
 }
 
 // Blocks nb0..nb1 of one weight of any format x all M rows of a (ldy = y's row length).

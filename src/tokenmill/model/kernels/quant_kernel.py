@@ -108,7 +108,7 @@ def bound_blocked_silu_mul(w: BlockedWeight):
     """x -> silu(x @ gate.T) * (x @ up.T) for a gate and up projection stacked in `w` (the gate's rows
     first), the activation fused into the AMX-BF16 tiles' sums (csrc/quant_amx.h `multiply_silu_mul`),
     for steps of amx_min_rows()+ rows; None where that does not run here (no AMX tiles, Q2_K's units
-    of 16, inputs wider than one span of the tiles)."""
+    of 16, more than 1,536 inputs: more than one span of the tiles)."""
     if not amx_available() or not torch.ops.tokenmill_vnni.silu_mul_fuses(w.fmt, w.shape[0], w.shape[1]):
         return None
     op = torch.ops.tokenmill_vnni.linear_silu_mul.default
