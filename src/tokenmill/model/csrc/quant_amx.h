@@ -421,8 +421,8 @@ inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, c
 
 // silu(x @ gate^T) * (x @ up^T) [M, N / 2] for a gate and an up projection stacked in w (N rows, the
 // gate's first; glu_fuses(w)): the tiles' sums of a gate block and its up block meet in one tile_pair,
-// so neither is written out and no pass over them follows. A 512-row SmolLM2 gate / up with the
-// silu_mul after it: 2.35 -> 2.13 ms (docs/benchmarks.md, session 34).
+// so neither is written out and no pass over them follows. SmolLM2's Q8_0 gate / up and silu_mul at
+// 512 rows: 2.22 -> 1.93 ms (docs/benchmarks.md, "silu(gate) * up in the tiles' epilogue").
 inline at::Tensor multiply_silu_mul(const at::Tensor& x, const Weights& w, int64_t N) {
   const int64_t M = x.size(0), half = N / (2 * kCols);
   at::Tensor y = at::empty({M, N / 2}, x.options());

@@ -28,11 +28,12 @@ constexpr bool kFolds = D::kFmt == tm_vnni::kQ3K;
 // Formats whose whole scale (Q6_K: d x its int8 sub-block scale) is multiplied into B, each weight as
 // two bf16 planes (kPlanes: hi = bf16(w), then what bf16 left: ~16 bits, w's error under 2^-16 of
 // it, where bf16(x) rounds the activations by up to 2^-8): the tiles sum a whole span of the inputs
-// (up to 48 groups) with no store or scaling between its super-blocks. Why: a tile stored and scaled every
-// super-block waits for its products each time; measured (`/work/scratch/s34/fold_speed.py`, both
-// alternating in one process, best of 21 rounds, 2 threads), Q6_K 576 x 1,536 at 512 rows 1.39 ->
-// 1.17 ms, at 128 rows 0.43 -> 0.39. Not Q8_0: one plane of exact codes becomes two, decoded a call,
-// and its 512-row tiles gained nothing on two threads (0.98-1.02x) while 64-128 rows lost (0.58-0.87x).
+// (up to 48 groups) with no store or scaling between its super-blocks. Why: a tile stored and scaled
+// every super-block waits for its products each time; measured (`/work/scratch/s34/fold_speed.py`,
+// both alternating in one process, best of 21 rounds, 2 threads), Q6_K 576 x 1,536 at 512 rows 1.39
+// -> 1.17 ms, at 128 rows 0.43 -> 0.39. Not Q8_0: one plane of exact codes becomes two, decoded a
+// call, and its 512-row tiles gained nothing on two threads (0.98-1.02x) while 64-128 rows lost
+// (0.58-0.87x).
 template <class D>
 constexpr bool kFoldsScale = D::kFmt == tm_vnni::kQ6K;
 template <class D>
