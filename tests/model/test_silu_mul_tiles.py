@@ -14,7 +14,7 @@ from tests.tiny_models import make_tiny_model, write_tiny_gguf
 from tokenmill.config import EngineConfig
 from tokenmill.engine.factory import build_engine_core
 from tokenmill.model.kernels import fused_ops, quant_kernel
-from tokenmill.model.layers.quantized_linear import QuantizedLinear
+from tokenmill.model.layers.quantized_linear import QuantizedLinear, gated_silu
 
 pytestmark = pytest.mark.skipif(not quant_kernel.amx_available() or not fused_ops.available(),
                                 reason="no AMX-BF16 tiles or fused ops here")
@@ -64,6 +64,11 @@ def test_the_layer_takes_the_epilogue_from_the_tiles_row_count(monkeypatch):
     bf16 = QuantizedLinear(bw, None, prompt_gemm="bf16")
     x = torch.randn(400, 256)
     assert torch.equal(bf16.silu_mul(x), fused_ops.silu_mul(bf16(x)))
+    # gated_silu: the layer's silu_mul, or silu_mul after any other linear
+    assert torch.equal(gated_silu(layer, x[:64]), layer.silu_mul(x[:64]))
+    dense = torch.nn.Linear(256, 64, bias=False)
+    with torch.no_grad():
+        assert torch.equal(gated_silu(dense, x[:64]), fused_ops.silu_mul(dense(x[:64])))
 
 
 def test_a_gated_mlp_runs_its_activation_in_the_tiles(tmp_path):

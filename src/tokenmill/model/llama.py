@@ -16,7 +16,7 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.fused_decode import FusedDecodeStack
 from tokenmill.model.kernels import fused_ops
 from tokenmill.model.layers.factory import LayerPolicy, make_embedding, make_linear
-from tokenmill.model.layers.quantized_linear import QuantizedLinear
+from tokenmill.model.layers.quantized_linear import QuantizedLinear, gated_silu
 from tokenmill.model.rope import RotaryEmbedding
 
 
@@ -88,9 +88,7 @@ class DecoderLayer:
         return self.down(F.silu(gate) * up)
 
     def mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.gate_up, QuantizedLinear):  # the activation may run in its kernel's epilogue
-            return self.down(self.gate_up.silu_mul(h))
-        return self.down(fused_ops.silu_mul(self.gate_up(h)))
+        return self.down(gated_silu(self.gate_up, h))
 
     def mlp_parts(self) -> dict[str, object]:
         """The feed-forward block's linears by name (weights counted, layers described)."""

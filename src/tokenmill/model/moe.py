@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.kernels import fused_ops, moe_experts
 from tokenmill.model.layers.factory import LayerPolicy, make_linear
-from tokenmill.model.layers.quantized_linear import QuantizedLinear
+from tokenmill.model.layers.quantized_linear import QuantizedLinear, gated_silu
 from tokenmill.model.llama import DecoderLayer, LlamaForCausalLM
 from tokenmill.model.moe_config import expert_weight_names, router_name
 from tokenmill.model.quant import BlockedWeight
@@ -60,7 +60,7 @@ class Expert:
     def __call__(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """`fused`: SiLU(gate) * up in one pass (fast mode's fused op), else transformers' two ops."""
         if fused:
-            return self.down(fused_ops.silu_mul(self.gate_up(x)))
+            return self.down(gated_silu(self.gate_up, x))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 

@@ -152,6 +152,15 @@ class QuantizedLinear:
         return f"{self.weight.kind} ({self.weight.bits}-bit, {path})"
 
 
+def gated_silu(gate_up, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a stacked gate / up linear's output [gate | up]: in the AMX tiles' epilogue
+    where `gate_up` is a QuantizedLinear that takes it (QuantizedLinear.silu_mul), else
+    fused_ops.silu_mul after the call."""
+    if isinstance(gate_up, QuantizedLinear):
+        return gate_up.silu_mul(x)
+    return fused_ops.silu_mul(gate_up(x))
+
+
 class QuantizedEmbedding:
     """Embedding lookup that dequantizes only the rows of the tokens in the batch."""
 
