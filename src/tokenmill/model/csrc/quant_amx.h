@@ -296,18 +296,30 @@ constexpr int64_t kSpanGroups = 32;
 constexpr int64_t kOneSpanGroups = 48;
 inline int64_t span_groups(int64_t G) { return G <= kOneSpanGroups ? G : kSpanGroups; }
 
+// Inputs a unit of a format's tiles: a group of 32, or each half of it with its own scale (Q2_K),
+// where the sub-block scales do not fold into B.
+template <class D>
+constexpr int kUnitInputs = kFolds<D> || kFoldsScale<D> ? kGroup : kGroup / D::kSubs;
+
+// Whether blocks_of fuses silu(gate) * up for a gate and up projection stacked in w: units of 32
+// inputs (every format but Q2_K) and K in one span (at most kOneSpanGroups groups).
+template <class D>
+bool glu_fuses_as(const Weights& w) {
+  return kUnitInputs<D> == kGroup && w.G <= kOneSpanGroups;
+}
+
 // Blocks nb0..nb1 of one weight x all of a's rows, into y's columns (ldy = y's row length); two_terms:
 // both activation terms whatever kTerms<D> says. up > 0 (a gate and an up projection stacked in w,
-// inputs in one span, units of 32: glu_fuses): block nb is the gate's, nb + up the up projection's,
-// and y's column block nb gets silu(gate) * up.
+// glu_fuses_as): block nb is the gate's, nb + up the up projection's, and y's column block nb gets
+// silu(gate) * up.
 template <class D>
 TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy,
                          bool two_terms, int64_t up = 0) {
   if (nb1 <= nb0) return;
-  constexpr int W = kFolds<D> || kFoldsScale<D> ? kGroup : kGroup / D::kSubs;  // inputs a unit
+  constexpr int W = kUnitInputs<D>;
   constexpr int Run = kFoldsScale<D> ? 0 : kFolds<D> ? tm_vnni::kSuper : 1;  // units summed in one tile (0: all)
   constexpr int64_t kUnitsPerGroup = kGroup / W;
-  TORCH_CHECK(up == 0 || (W == kGroup && w.G <= kOneSpanGroups), "AMX tiles: no silu(gate) * up for this weight");
+  TORCH_CHECK(up == 0 || glu_fuses_as<D>(w), "AMX tiles: no silu(gate) * up for this weight");
   const int64_t span = span_groups(w.G), span_units = span * kUnitsPerGroup;
   const int64_t block_b = span * 512 * kPlanes<D>;  // bf16 values of decoded B a column block
   const int64_t block_bytes = 2 * block_b + 2 * span_units * kCols * 4;
@@ -369,12 +381,11 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
   _tile_release();
 }
 
-// Whether blocks_of fuses silu(gate) * up for a gate and up projection stacked in w over K inputs:
-// units of 32 inputs (every format but Q2_K's halves) and K in one span (at most kOneSpanGroups groups).
+// glu_fuses_as for w's format.
 inline bool glu_fuses(const Weights& w) {
-  bool units32 = false;
-  tm_vnni::with_decoder(w.fmt, [&]<class D>() { units32 = kFolds<D> || kFoldsScale<D> || D::kSubs == 1; });
-  return units32 && w.G <= kOneSpanGroups;
+  bool fuses = false;
+  tm_vnni::with_decoder(w.fmt, [&]<class D>() { fuses = glu_fuses_as<D>(w); });
+  return fuses;
 }
 
 // Blocks nb0..nb1 of one weight of any format x all M rows of a (ldy = y's row length).
