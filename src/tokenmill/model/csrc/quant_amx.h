@@ -24,12 +24,10 @@
 // scale (Q2_K), or fold the sub-block scales into B (kFolds: Q3_K), or all of the scale (kFoldsScale:
 // Q6_K; no scaling between a span's groups). Units of 32 inputs run two
 // row tiles x two column blocks at a time (tile_pair), so that each A and B tile loaded serves two
-// products.
+// products. The ops' entry points (x split, blocks shared between threads): quant_amx_calls.h.
 // Linux hands a process the tile registers only when asked (arch_prctl): amx_ready() (amx_tiles.h) asks once.
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 
 #include <immintrin.h>
 
@@ -148,8 +146,8 @@ TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t 
     for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_loadu_ps(y + r * ldy);
   const int64_t K = a.K, stride = K * 2;
   const uint16_t* hi = a.hi + m0 * K + u0 * W;
-  const uint16_t* lo = a.lo + m0 * K + u0 * W;
-  const float* sums = (W == 16 ? a.sum16 : a.sum32) + m0 * (K / W) + u0;
+  const uint16_t* lo = a.lo + m0 * K + u0 * W;  // units of 16: always two terms (needs_of)
+  const float* sums = HasMin ? (W == 16 ? a.sum16 : a.sum32) + m0 * (K / W) + u0 : nullptr;
   const int64_t sum_stride = K / W;
   constexpr int64_t kUnitB = W * 16;  // bf16 values of B a unit
   const int64_t runs = units / Run;
@@ -232,11 +230,11 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
   const int64_t K = a.K, stride = K * 2, m1 = rt == 2 ? m0 + kTileRows : m0;
   const uint16_t* hi0 = a.hi + m0 * K + u0 * W;
   const uint16_t* hi1 = a.hi + m1 * K + u0 * W;
-  const uint16_t* lo0 = a.lo + m0 * K + u0 * W;
-  const uint16_t* lo1 = a.lo + m1 * K + u0 * W;
+  const uint16_t* lo0 = Terms == 2 ? a.lo + m0 * K + u0 * W : nullptr;  // null where not split (SplitNeeds)
+  const uint16_t* lo1 = Terms == 2 ? a.lo + m1 * K + u0 * W : nullptr;
   const int64_t sum_stride = K / W;
-  const float* sums0 = a.sum32 + m0 * sum_stride + u0;
-  const float* sums1 = a.sum32 + m1 * sum_stride + u0;
+  const float* sums0 = HasMin ? a.sum32 + m0 * sum_stride + u0 : nullptr;
+  const float* sums1 = HasMin ? a.sum32 + m1 * sum_stride + u0 : nullptr;
   constexpr int64_t kUnitB = W * 16 * Planes;  // bf16 values of B a unit (its planes one after the other)
   const uint16_t* b0 = b[0];
   const uint16_t* b1 = bt == 2 ? b[1] : b[0];
@@ -320,6 +318,8 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
   constexpr int Run = kFoldsScale<D> ? 0 : kFolds<D> ? tm_vnni::kSuper : 1;  // units summed in one tile (0: all)
   constexpr int64_t kUnitsPerGroup = kGroup / W;
   TORCH_CHECK(up == 0 || glu_fuses_as<D>(w), "AMX tiles: no silu(gate) * up for this weight");
+  TORCH_CHECK(a.lo != nullptr || (W == kGroup && kTerms<D> == 1 && !two_terms), "AMX tiles: the activations' lo term was not split");
+  TORCH_CHECK(a.sum16 != nullptr || !D::has_min(w), "AMX tiles: the activations' sums were not split");
   const int64_t span = span_groups(w.G), span_units = span * kUnitsPerGroup;
   const int64_t block_b = span * 512 * kPlanes<D>;  // bf16 values of decoded B a column block
   const int64_t block_bytes = 2 * block_b + 2 * span_units * kCols * 4;
@@ -398,51 +398,5 @@ inline void blocks(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0,
 inline void blocks(const Weights&, const SplitActs&, int64_t, int64_t, int64_t, float*, int64_t, bool = false, int64_t = 0) {}
 inline bool glu_fuses(const Weights&) { return false; }
 #endif  // TM_AMX_COMPILES
-
-// x's rows as the tiles take them, in `scratch` (the caller's, alive while they are read).
-inline SplitActs split_rows(const at::Tensor& x, at::Tensor& scratch) {
-  const int64_t M = x.size(0), K = x.size(1);
-  scratch = at::empty({split_floats(M, K)}, x.options());
-  const SplitActs a = make_split(scratch.data_ptr<float>(), M, K);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, a.Mp, kTileRows, [&](int64_t m0, int64_t m1) { split_into(xp, m0, m1, M, a); });
-  return a;
-}
-
-// y [M, N] = x @ W^T for weights side by side (quant_vnni.cpp `multiply`'s parts), on AMX tiles
-// (two_terms: see kTerms).
-inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
-                           bool two_terms = false) {
-  const int64_t M = x.size(0), nblocks = block0.back(), N = nblocks * kCols;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  at::Tensor scratch;
-  const SplitActs a = split_rows(x, scratch);
-  float* yp = y.data_ptr<float>();
-  // Threads take column blocks (every thread reads all rows' activations from L2 / L3, which a
-  // 512-row step of K = 1536 holds in 3 MB; each decodes only its own blocks).
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-    for (size_t i = 0; i < w.size(); ++i) {
-      const int64_t lo = std::max(b0, block0[i]), hi = std::min(b1, block0[i + 1]);
-      if (lo < hi) blocks(w[i], a, M, lo - block0[i], hi - block0[i], yp + block0[i] * kCols, N, two_terms);
-    }
-  });
-  return y;
-}
-
-// silu(x @ gate^T) * (x @ up^T) [M, N / 2] for a gate and an up projection stacked in w (N rows, the
-// gate's first; glu_fuses(w)): the tiles' sums of a gate block and its up block meet in one tile_pair,
-// so neither is written out and no pass over them follows. SmolLM2's Q8_0 gate / up and silu_mul at
-// 512 rows: 2.22 -> 1.93 ms (docs/benchmarks.md, "silu(gate) * up in the tiles' epilogue").
-inline at::Tensor multiply_silu_mul(const at::Tensor& x, const Weights& w, int64_t N) {
-  const int64_t M = x.size(0), half = N / (2 * kCols);
-  at::Tensor y = at::empty({M, N / 2}, x.options());
-  if (M == 0) return y;
-  at::Tensor scratch;
-  const SplitActs a = split_rows(x, scratch);
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, half, 1, [&](int64_t b0, int64_t b1) { blocks(w, a, M, b0, b1, yp, N / 2, false, half); });
-  return y;
-}
 
 }  // namespace tm_amx

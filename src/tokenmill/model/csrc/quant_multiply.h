@@ -7,7 +7,7 @@
 // it for one expert on each thread, call the same function, so both compute the same bits.
 
 #include "blocked_ops.h"
-#include "quant_amx.h"
+#include "quant_amx_calls.h"
 #include "quant_amx8.h"
 #include "quant_vnni.h"
 
