@@ -231,18 +231,40 @@ def test_prompts_attend_through_the_paged_kernel_as_through_sdpa(fast_runner):
 
 def test_prompt_steps_take_the_path_of_their_format(fast_runner):
     """By default prompt steps of 4-bit codes (Q4_1) run the bf16 GEMM with bf16 activations between
-    the layers; 8-bit codes (Q8_0, int8) keep the file's values and fp32 activations on the kernel.
-    The engine setting puts every format on one path."""
+    the layers; 8-bit codes (Q8_0, int8) keep the file's values on the kernel, whose AMX tiles (from
+    amx_min_rows() rows) take bf16 activations as they are, else fp32. The engine setting puts every
+    format on one path."""
     model = fast_runner().model
+    on_tiles = quant_kernel.blocked_kernel() == "vnni" and quant_kernel.amx_available()
+    tiles = quant_kernel.amx_min_rows() if on_tiles else None
+    one_term = fast_runner.kind in ("Q8_0", "int8")
     if fast_runner.kind == "Q4_1":
         assert model.bf16_rows == BLOCKED_DENSE_MIN_ROWS
-        assert any("bf16" in line for line in model.describe())
     else:
-        assert model.bf16_rows is None
-        assert not any("bf16" in line for line in model.describe())
+        assert model.bf16_rows == tiles
+    assert any("bf16 activations" in line for line in model.describe()) == (model.bf16_rows is not None)
     vnni = fast_runner(prompt_gemm="vnni").model
-    assert vnni.bf16_rows is None
-    assert not any("bf16" in line for line in vnni.describe())
+    assert vnni.bf16_rows == (tiles if one_term else None)
+    assert any("bf16 activations" in line for line in vnni.describe()) == (vnni.bf16_rows is not None)
+
+
+def test_one_term_tiles_take_bf16_activations_bit_for_bit(fast_runner):
+    """Q8_0 weights (and int8, quantized into Q8_0 blocks) on the AMX tiles multiply bf16(x) alone:
+    a prompt step handing them bf16 activations (norms, attention and the silu epilogue writing bf16)
+    gives exactly the logits of float32 activations rounded by each linear."""
+    if fast_runner.kind == "Q4_1" or not (quant_kernel.blocked_kernel() == "vnni" and quant_kernel.amx_available()):
+        pytest.skip("the tiles take bf16 as it is only for one-term formats on AMX")
+    runner = fast_runner(prompt_gemm="vnni")
+    model = runner.model
+    assert model.bf16_rows == quant_kernel.amx_min_rows() and all(model.bf16_layers)
+    first = runner.max_rows_as_decode + 1  # shorter prompts are one fused C++ call (decode rows)
+    for n in (first, first + 21):  # whole tiles of rows; a partial last tile
+        chunk = [SeqChunk(ids(n, seed=n), 0, list(range(0, 16)), sample=True, all_logits=True)]
+        got = runner.execute(chunk)
+        rows, model.bf16_rows = model.bf16_rows, None
+        ref = runner.execute(chunk)
+        model.bf16_rows = rows
+        assert torch.equal(got, ref)
 
 
 def test_large_steps_keep_activations_in_bf16_with_the_same_results(fast_runner):

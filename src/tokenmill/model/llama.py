@@ -116,11 +116,19 @@ class DecoderLayer:
         x = x + self.o_proj(attn)
         return x + self.mlp(norm(x, self.post_norm, self.eps))
 
+    def bf16_start(self) -> int | None:
+        """From how many rows every linear of this layer takes bf16 activations as they are (None: some
+        never does): the dequantize + bf16 GEMM path, or the AMX tiles of Q8_0 / Q6_K, which round
+        their float32 input to the same bf16 (QuantizedLinear.bf16_input_from_rows)."""
+        starts = {part.bf16_input_from_rows if isinstance(part, QuantizedLinear) else None for part in self.linears()}
+        return starts.pop() if len(starts) == 1 else None
+
     def forward_fused(self, x, h, cos, sin, attention, k_cache, v_cache, meta, bf16: bool = False) -> torch.Tensor:
         """Fast path with the fused C++ steps: `h` is this layer's normed input; adds the attention
         output to `x` in place and returns the MLP output, which the caller adds to `x` together with
         the next norm (one pass instead of two). With `bf16` (large steps, whose linears run bf16
-        GEMMs) the linears' inputs and outputs stay bf16: the same numbers without conversions."""
+        GEMMs, or AMX tiles that round their input to bf16) the linears' inputs stay bf16, and the
+        GEMMs' outputs: the same numbers without conversions."""
         qkv = self.qkv(h)
         q_bf16 = attention.bf16_queries(meta, k_cache)
         q = fused_ops.rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, k_cache, v_cache,
@@ -132,12 +140,6 @@ class DecoderLayer:
         # squares in another order (last bits, which moved top-1 agreement by ~0.4 % of positions)
         h = fused_ops.add_rms_norm_(x, self.o_proj(attn).float(), self.post_norm, self.eps, bf16)
         return self.mlp_fused(h)
-
-
-def _bf16_start(layer: DecoderLayer) -> int | None:
-    """From how many rows every linear of `layer` takes and gives bf16 (None: some never does)."""
-    starts = {part.bf16_from_rows if isinstance(part, QuantizedLinear) else None for part in layer.linears()}
-    return starts.pop() if len(starts) == 1 else None
 
 
 class LlamaForCausalLM:
@@ -172,11 +174,13 @@ class LlamaForCausalLM:
         # Decode steps of the fast path as one C++ call over all layers (model/fused_decode.py).
         self.fused_decode = self.fused and FusedDecodeStack.supports(self)
         # Steps of at least this many rows keep the linears' activations in bf16 (None: never), in
-        # the layers whose linears all run bf16 GEMMs there: a mix (a Q5_K ffn_down in 3 of 30 IQ4_XS
-        # layers) keeps the others' activations bf16 instead of converting around every GEMM.
-        starts = [_bf16_start(layer) for layer in self.layers]
+        # the layers whose linears all take them as they are there (bf16 GEMMs; Q8_0 / Q6_K tiles): a
+        # mix (a Q5_K ffn_down in 3 of 30 IQ4_XS layers) keeps the others' activations bf16 instead
+        # of converting around every linear. Why for the tiles: a Q8_0 512-token prompt spent ~3 % in
+        # rounding each linear's float32 input to bf16 (docs/benchmarks.md, session 35).
+        starts = [layer.bf16_start() for layer in self.layers]
         common = {start for start in starts if start is not None}
-        self.bf16_rows = common.pop() if self.fused and len(common) == 1 else None
+        self.bf16_rows = max(common) if self.fused and common else None
         self.bf16_layers = [start is not None for start in starts]
         self._decode_stack: FusedDecodeStack | None = None
 
@@ -232,7 +236,7 @@ class LlamaForCausalLM:
                          "over the layer stack")
         if self.bf16_rows is not None:
             some = "" if all(self.bf16_layers) else f" in {sum(self.bf16_layers)} of {len(self.layers)} layers"
-            lines.append(f"steps of {self.bf16_rows}+ rows: bf16 activations between the GEMMs and the fused ops{some}")
+            lines.append(f"steps of {self.bf16_rows}+ rows: bf16 activations between the linears and the fused ops{some}")
         return lines
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

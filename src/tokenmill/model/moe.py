@@ -156,6 +156,13 @@ class MoEDecoderLayer(DecoderLayer):
         # expert sees only its share of them, few enough for the packed kernel, which takes fp32.
         return self.mlp(h.float(), fused=True).to(h.dtype)
 
+    def bf16_start(self) -> int | None:
+        # The experts see their share of a step's rows, mostly on the packed kernel in float32: bf16
+        # activations only where their GEMMs round to bf16 anyway (not where only the tiles would).
+        experts = {part.bf16_from_rows if isinstance(part, QuantizedLinear) else None for part in self.moe_block.linears()}
+        start = super().bf16_start()
+        return start if experts == {start} else None
+
     def mlp_parts(self) -> dict[str, object]:
         first = self.moe_block.experts[0]
         return {"expert gate_up": first.gate_up, "expert down": first.down}

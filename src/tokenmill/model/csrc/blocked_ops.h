@@ -51,10 +51,12 @@ Parts parts_of(at::TensorList weights, at::IntArrayRef fmts, at::IntArrayRef Ns,
   return parts;
 }
 
-// x float32 [M, K], contiguous, and terms 1 or 2: what every linear op takes.
-inline at::Tensor checked_x(const at::Tensor& x, int64_t terms) {
+// x float32 [M, K] (or, with bf16_ok, bfloat16: the ops that round it to bf16 anyway take it as it
+// is, the others convert it), contiguous, and terms 1 or 2: what every linear op takes.
+inline at::Tensor checked_x(const at::Tensor& x, int64_t terms, bool bf16_ok = false) {
   TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || (bf16_ok && x.scalar_type() == at::kBFloat16)),
+              bf16_ok ? "x must be float32 or bfloat16 [M, K]" : "x must be float32 [M, K]");
   return x.contiguous();
 }
 

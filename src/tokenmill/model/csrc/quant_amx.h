@@ -215,7 +215,7 @@ TA_TARGET void tile_block(const SplitActs& a, int64_t m0, int64_t rows, int64_t 
 template <int W, bool HasMin, int Run, int Planes, int Terms>
 TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2], int64_t u0, int64_t units,
                          const uint16_t* const (&b)[2], const float* const (&sc)[2], const float* const (&mn)[2],
-                         float* const (&y)[2], int64_t ldy, bool add, bool glu = false) {
+                         float* const (&y)[2], int64_t ldy, bool add, bool glu = false, bool glu_bf16 = false) {
   static_assert(W == 32, "units of 16 inputs run tile_block");
   alignas(64) float c[4][kTileRows * kCols];
   alignas(64) float acc[4][kTileRows * kCols];
@@ -270,8 +270,13 @@ TA_TARGET void tile_pair(const SplitActs& a, int64_t m0, const int64_t (&rows)[2
   }
   if (glu) {  // block 0 a gate's columns, block 1 the up projection's: silu(gate) * up into y[0]
     for (int64_t i = 0; i < rt; ++i)
-      for (int64_t r = 0; r < rows[i]; ++r)
-        _mm512_storeu_ps(y[0] + (16 * i + r) * ldy, silu_mul16(_mm512_load_ps(acc[2 * i] + 16 * r), _mm512_load_ps(acc[2 * i + 1] + 16 * r)));
+      for (int64_t r = 0; r < rows[i]; ++r) {
+        const __m512 v = silu_mul16(_mm512_load_ps(acc[2 * i] + 16 * r), _mm512_load_ps(acc[2 * i + 1] + 16 * r));
+        if (glu_bf16)  // y[0] is bf16's address (blocks_of), rounded as split_into rounds hi
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(y[0]) + (16 * i + r) * ldy),
+                              (__m256i)_mm512_cvtneps_pbh(v));
+        else _mm512_storeu_ps(y[0] + (16 * i + r) * ldy, v);
+      }
     return;
   }
   for (int64_t i = 0; i < rt; ++i)
@@ -309,11 +314,12 @@ bool glu_fuses_as(const Weights& w) {
 // Blocks nb0..nb1 of one weight x all of a's rows, into y's columns (ldy = y's row length); two_terms:
 // both activation terms whatever kTerms<D> says. up > 0 (a gate and an up projection stacked in w,
 // glu_fuses_as): block nb is the gate's, nb + up the up projection's, and y's column block nb gets
-// silu(gate) * up.
+// silu(gate) * up, in bf16 where bf16_y (y then bf16's address).
 template <class D>
 TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy,
-                         bool two_terms, int64_t up = 0) {
+                         bool two_terms, int64_t up = 0, bool bf16_y = false) {
   if (nb1 <= nb0) return;
+  TORCH_CHECK(!bf16_y || up > 0, "AMX tiles: bf16 sums only from the silu(gate) * up epilogue");
   constexpr int W = kUnitInputs<D>;
   constexpr int Run = kFoldsScale<D> ? 0 : kFolds<D> ? tm_vnni::kSuper : 1;  // units summed in one tile (0: all)
   constexpr int64_t kUnitsPerGroup = kGroup / W;
@@ -366,10 +372,12 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
             const uint16_t* const b[2] = {slot_b(slot), two ? slot_b(slot + 1) : nullptr};
             const float* const sc[2] = {s0, s1};
             const float* const mn[2] = {s0 + span_units * kCols, two ? s1 + span_units * kCols : nullptr};
-            float* const yt[2] = {y + m0 * ldy + nb * kCols, y + m0 * ldy + (up > 0 ? nb : nb + 1) * kCols};
+            float* const yt[2] = {bf16_y ? reinterpret_cast<float*>(reinterpret_cast<uint16_t*>(y) + m0 * ldy + nb * kCols)
+                                         : y + m0 * ldy + nb * kCols,
+                                  y + m0 * ldy + (up > 0 ? nb : nb + 1) * kCols};  // (up: unused)
             auto pair = [&]<int Terms>() {
-              if (has_min) tile_pair<W, true, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0, up > 0);
-              else tile_pair<W, false, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0, up > 0);
+              if (has_min) tile_pair<W, true, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0, up > 0, bf16_y);
+              else tile_pair<W, false, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0, up > 0, bf16_y);
             };
             if (kTerms<D> == 2 || two_terms) pair.template operator()<2>();
             else if constexpr (kTerms<D> == 1) pair.template operator()<1>();  // only where a format has it
@@ -390,12 +398,13 @@ inline bool glu_fuses(const Weights& w) {
 
 // Blocks nb0..nb1 of one weight of any format x all M rows of a (ldy = y's row length).
 inline void blocks(const Weights& w, const SplitActs& a, int64_t M, int64_t nb0, int64_t nb1, float* y, int64_t ldy,
-                   bool two_terms = false, int64_t up = 0) {
-  tm_vnni::with_decoder(w.fmt, [&]<class D>() { blocks_of<D>(w, a, M, nb0, nb1, y, ldy, two_terms, up); });
+                   bool two_terms = false, int64_t up = 0, bool bf16_y = false) {
+  tm_vnni::with_decoder(w.fmt, [&]<class D>() { blocks_of<D>(w, a, M, nb0, nb1, y, ldy, two_terms, up, bf16_y); });
 }
 
 #else
-inline void blocks(const Weights&, const SplitActs&, int64_t, int64_t, int64_t, float*, int64_t, bool = false, int64_t = 0) {}
+inline void blocks(const Weights&, const SplitActs&, int64_t, int64_t, int64_t, float*, int64_t, bool = false, int64_t = 0,
+                   bool = false) {}
 inline bool glu_fuses(const Weights&) { return false; }
 #endif  // TM_AMX_COMPILES
 

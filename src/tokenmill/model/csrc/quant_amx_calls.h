@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include "quant_amx.h"
 
@@ -35,8 +36,22 @@ inline SplitNeeds needs_of(const Weights&, bool) { return {}; }
 #endif  // TM_AMX_COMPILES
 
 // x's rows as the tiles take them (what `needs` says), in `scratch` (the caller's, alive while they are read).
+// A bfloat16 x is its own hi, read in place where its rows fill whole tiles (else copied with the
+// padding rows zero): what needs nothing else takes it (the caller converts it otherwise).
 inline SplitActs split_rows(const at::Tensor& x, at::Tensor& scratch, SplitNeeds needs) {
   const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(!needs.lo && !needs.sums && x.is_contiguous(), "AMX tiles: a bf16 x needs hi alone, contiguous");
+    SplitActs a{nullptr, nullptr, nullptr, nullptr, padded_rows(M), K};
+    if (a.Mp == M) {
+      a.hi = reinterpret_cast<uint16_t*>(x.data_ptr());
+      return a;
+    }
+    scratch = at::zeros({a.Mp, K}, x.options());
+    scratch.narrow(0, 0, M).copy_(x);
+    a.hi = reinterpret_cast<uint16_t*>(scratch.data_ptr());
+    return a;
+  }
   scratch = at::empty({split_floats(M, K, needs)}, x.options());
   const SplitActs a = make_split(scratch.data_ptr<float>(), M, K, needs);
   const float* xp = x.data_ptr<float>();
@@ -49,15 +64,16 @@ inline SplitActs split_rows(const at::Tensor& x, at::Tensor& scratch, SplitNeeds
 inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
                            bool two_terms = false) {
   const int64_t M = x.size(0), nblocks = block0.back(), N = nblocks * kCols;
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return y;
   SplitNeeds needs{false, false};
   for (const Weights& wi : w) {
     const SplitNeeds n = needs_of(wi, two_terms);
     needs = {needs.lo || n.lo, needs.sums || n.sums};
   }
+  const at::Tensor xs = x.scalar_type() == at::kBFloat16 && (needs.lo || needs.sums) ? x.to(at::kFloat) : x;
   at::Tensor scratch;
-  const SplitActs a = split_rows(x, scratch, needs);
+  const SplitActs a = split_rows(xs, scratch, needs);
   float* yp = y.data_ptr<float>();
   // Threads take column blocks (every thread reads all rows' activations from L2 / L3, which a
   // 512-row step of K = 1536 holds in 3 MB; each decodes only its own blocks).
@@ -74,14 +90,18 @@ inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, c
 // gate's first; glu_fuses(w)): the tiles' sums of a gate block and its up block meet in one tile_pair,
 // so neither is written out and no pass over them follows. SmolLM2's Q8_0 gate / up and silu_mul at
 // 512 rows: 2.22 -> 1.93 ms (docs/benchmarks.md, "silu(gate) * up in the tiles' epilogue").
+// A bfloat16 x gives a bfloat16 y (what the down projection's tiles read: rounded as its split would).
 inline at::Tensor multiply_silu_mul(const at::Tensor& x, const Weights& w, int64_t N) {
   const int64_t M = x.size(0), half = N / (2 * kCols);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({M, N / 2}, x.options());
   if (M == 0) return y;
+  const SplitNeeds needs = needs_of(w, false);
+  const at::Tensor xs = bf16 && (needs.lo || needs.sums) ? x.to(at::kFloat) : x;
   at::Tensor scratch;
-  const SplitActs a = split_rows(x, scratch, needs_of(w, false));
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, half, 1, [&](int64_t b0, int64_t b1) { blocks(w, a, M, b0, b1, yp, N / 2, false, half); });
+  const SplitActs a = split_rows(xs, scratch, needs);
+  float* yp = static_cast<float*>(y.data_ptr());
+  at::parallel_for(0, half, 1, [&](int64_t b0, int64_t b1) { blocks(w, a, M, b0, b1, yp, N / 2, false, half, bf16); });
   return y;
 }
 

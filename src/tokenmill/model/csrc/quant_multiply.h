@@ -15,17 +15,19 @@ namespace tm_vnni {
 namespace {
 
 // y [M, N] = x @ W^T for weights side by side (one, or the parts of a fused linear: part i's column
-// blocks start at block0[i]; block0 ends with N / 16). x float32 [M, K], contiguous.
+// blocks start at block0[i]; block0 ends with N / 16). x float32 [M, K], contiguous (bfloat16: as
+// the AMX-BF16 tiles take it, converted for the other kernels).
 // amx: steps of two terms and tm_amx::kAmxMinRows+ rows may run AMX-BF16 tiles instead (quant_amx.h),
 // and in those of tm_amx8::kAmx8MinRows+ rows the parts of the formats that fold AMX-INT8 tiles
 // (quant_amx8.h), where the CPU has them. amx8: those parts on the AMX-INT8 tiles at any rows (up to
 // kAmxMinRows + 16; tests and benchmarks). two_tile_terms: the AMX-BF16 tiles multiply both bf16 terms
 // of the activations for every format (quant_amx.h kTerms; the lm_head).
-at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
+at::Tensor multiply(const at::Tensor& x_in, const std::vector<Weights>& w, const std::vector<int64_t>& block0,
                     int64_t terms, bool amx, bool amx8 = false, bool two_tile_terms = false) {
-  const int64_t M = x.size(0), K = x.size(1), nblocks = block0.back(), N = nblocks * kCols;
+  const int64_t M = x_in.size(0), K = x_in.size(1), nblocks = block0.back(), N = nblocks * kCols;
   if (!amx8 && amx && terms == 2 && M >= tm_amx::kAmxMinRows && tm_amx::amx_ready())
-    return tm_amx::multiply(x, w, block0, two_tile_terms);
+    return tm_amx::multiply(x_in, w, block0, two_tile_terms);
+  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in : x_in.to(at::kFloat);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   // The AMX-INT8 tiles' rows: rounded once for every part that folds.

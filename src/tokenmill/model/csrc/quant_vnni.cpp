@@ -11,7 +11,7 @@ using namespace tm_vnni;
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                   const at::Tensor& subs, int64_t fmt, int64_t N, int64_t terms, bool amx, bool two_tile_terms) {
-  const at::Tensor x = checked_x(x_in, terms);
+  const at::Tensor x = checked_x(x_in, terms, true);
   return multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, terms, amx, false, two_tile_terms);
 }
 
@@ -19,7 +19,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
 at::Tensor linear_amx(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                       const at::Tensor& subs, int64_t fmt, int64_t N, bool two_tile_terms) {
   TORCH_CHECK(tm_amx::amx_ready(), "this process cannot run AMX-BF16 tiles");
-  const at::Tensor x = checked_x(x_in, 2);
+  const at::Tensor x = checked_x(x_in, 2, true);
   return tm_amx::multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, two_tile_terms);
 }
 
@@ -29,7 +29,7 @@ at::Tensor linear_amx(const at::Tensor& x_in, const at::Tensor& codes, const at:
 at::Tensor linear_silu_mul(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                            const at::Tensor& subs, int64_t fmt, int64_t N) {
   TORCH_CHECK(tm_amx::amx_ready(), "this process cannot run AMX-BF16 tiles");
-  const at::Tensor x = checked_x(x_in, 2);
+  const at::Tensor x = checked_x(x_in, 2, true);
   const Weights w = check(codes, scales, mins, subs, fmt, N, x.size(1));
   TORCH_CHECK(N % (2 * kCols) == 0 && tm_amx::glu_fuses(w), "linear_silu_mul: format ", fmt, " with ", x.size(1),
               " inputs and ", N, " outputs does not fuse");
@@ -43,6 +43,15 @@ bool silu_mul_fuses(int64_t fmt, int64_t N, int64_t K) {
   w.fmt = static_cast<int>(fmt);
   w.G = K / kGroup;
   return tm_amx::glu_fuses(w);
+}
+
+// Whether the AMX-BF16 tiles take a bfloat16 x of this weight as it is (its own hi term: one term, no
+// mins; quant_amx_calls.h `needs_of`), so that a caller holding bf16 activations converts nothing.
+bool tiles_take_bf16(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& subs,
+                     int64_t fmt, int64_t N, int64_t K, bool two_tile_terms) {
+  if (!vnni_supported() || !tm_amx::amx_ready()) return false;
+  const tm_amx::SplitNeeds needs = tm_amx::needs_of(check(codes, scales, mins, subs, fmt, N, K), two_tile_terms);
+  return !needs.lo && !needs.sums;
 }
 
 // The same on AMX-INT8 tiles (tests and benchmarks; `linear` picks by rows and format): 1 to
@@ -61,7 +70,7 @@ at::Tensor linear_amx8(const at::Tensor& x_in, const at::Tensor& codes, const at
 // rounding of each (30 us at 48 rows of K = 1536) and a concatenation of their outputs after.
 at::Tensor linear_parts(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef fmts, at::IntArrayRef Ns,
                         int64_t terms, bool amx) {
-  const at::Tensor x = checked_x(x_in, terms);
+  const at::Tensor x = checked_x(x_in, terms, true);
   const Parts parts = parts_of(weights, fmts, Ns, x.size(1), check);
   return multiply(x, parts.w, parts.block0, terms, amx);
 }
@@ -208,6 +217,8 @@ TORCH_LIBRARY(tokenmill_vnni, m) {
   m.def("linear_silu_mul(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N) -> Tensor",
         &linear_silu_mul);
   m.def("silu_mul_fuses(int fmt, int N, int K) -> bool", &silu_mul_fuses);
+  m.def("tiles_take_bf16(Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, int K, "
+        "bool two_tile_terms=False) -> bool", &tiles_take_bf16);
   m.def("supported() -> bool", &supported);
   m.def("amx8_supported() -> bool", &amx8_supported);
   m.def("amx_supported() -> bool", &amx_supported);

@@ -116,6 +116,15 @@ def bound_blocked_silu_mul(w: BlockedWeight):
     return lambda x: op(x, *args)
 
 
+def tiles_take_bf16(w: BlockedWeight, two_tile_terms: bool = False) -> bool:
+    """Whether the AMX-BF16 tiles (steps of amx_min_rows()+ rows) read a bfloat16 input of `w` as it
+    is, with the same results as its float32 values: formats whose tiles take hi = bf16(x) alone and
+    have no mins (Q8_0, Q6_K; csrc/quant_amx_calls.h `needs_of`). False where there are no tiles."""
+    if blocked_kernel() != "vnni" or not amx_available():
+        return False
+    return bool(torch.ops.tokenmill_vnni.tiles_take_bf16(*blocked_args(w), w.shape[1], two_tile_terms))
+
+
 def bound_blocked_linear_parts(ws: list[BlockedWeight], terms: int = 2):
     """x -> [x @ w.T for w in ws] side by side in one float32 output, x rounded once (a fused q/k/v
     whose parts are in different formats: csrc/quant_vnni.cpp `linear_parts`)."""

@@ -87,6 +87,12 @@ class QuantizedLinear:
         self._silu_mul = (quant_kernel.bound_blocked_silu_mul(weight)
                           if self._blocked is not None and bias is None and not two_tile_terms else None)
         self._silu_mul_rows = quant_kernel.amx_min_rows() if self._silu_mul is not None else NEVER_DENSE
+        # From how many rows the AMX tiles read a bf16 input as it is (Q8_0, Q6_K: no conversion pass,
+        # the same results as its float32 values); None where no call does.
+        takes_bf16 = (self._blocked is not None and bias is None
+                      and quant_kernel.tiles_take_bf16(weight, two_tile_terms=two_tile_terms))
+        self._tiles_bf16_rows = (quant_kernel.amx_min_rows()
+                                 if takes_bf16 and quant_kernel.amx_min_rows() < self._gemm_rows else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._blocked is not None and x.shape[0] < self._gemm_rows and self.bias is None:
@@ -114,7 +120,7 @@ class QuantizedLinear:
         """silu(gate) * up of this layer's output [gate | up] (a gated MLP's stacked gate and up
         projections): fused into the AMX tiles' sums where they take the rows (neither half written out,
         no pass over them after), else fused_ops.silu_mul after the call."""
-        if self._silu_mul_rows <= x.shape[0] < self._gemm_rows and x.dtype == torch.float32:
+        if self._silu_mul_rows <= x.shape[0] < self._gemm_rows:  # a bf16 x gives bf16 (what down reads)
             return self._silu_mul(x)
         return fused_ops.silu_mul(self(x))
 
@@ -139,6 +145,14 @@ class QuantizedLinear:
         if isinstance(self.weight, BlockedWeight) and self.bias is None and self.prompt_gemm == "bf16":
             return self._gemm_rows
         return None
+
+    @property
+    def bf16_input_from_rows(self) -> int | None:
+        """From how many rows a bf16 input costs no conversion and changes nothing the layer would
+        round anyway: bf16_from_rows, or the AMX tiles of a format that reads it as it is (float32
+        out); None where calls convert it."""
+        gemm = self.bf16_from_rows
+        return gemm if gemm is not None else self._tiles_bf16_rows
 
     def describe(self) -> str:
         if isinstance(self.weight, BlockedWeight):
