@@ -142,6 +142,29 @@ def test_the_cap_below_amx_turns_the_tiles_off():
         raise RuntimeError(run.stderr[-400:]) if run.returncode else AssertionError("ran without AMX")
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_0", "Q5_0"])
+@pytest.mark.parametrize("rows", [48, 100])  # whole tiles of rows (read in place); a partial last tile
+def test_a_bf16_input_gives_the_results_of_its_float32_values(kind, rows):
+    # The one-term formats without mins read bf16(x) alone: a bf16 x is taken as it is, with the results
+    # of the float32 x it was rounded from; the others convert it (the results of its float32 values).
+    # The silu epilogue gives bf16 for a bf16 x: its float32 sums rounded as the split rounds them.
+    k = width(kind, 128, 512)
+    bw, _, _ = weight(kind, 64, k, seed=5)
+    x = torch.randn(rows, k)
+    xb = x.bfloat16()
+    got = quant_kernel.blocked_linear(xb, bw)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, quant_kernel.blocked_linear(xb.float(), bw))
+    one_term = kind in ("Q8_0", "Q6_K")
+    assert quant_kernel.tiles_take_bf16(bw) == one_term
+    assert torch.equal(got, quant_kernel.blocked_linear(x, bw)) == one_term
+    assert not quant_kernel.tiles_take_bf16(bw, two_tile_terms=True)
+    silu = quant_kernel.bound_blocked_silu_mul(bw)
+    if silu is not None:
+        out = silu(xb)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, silu(xb.float()).bfloat16())
+
+
 @pytest.mark.parametrize("kind", sorted(AMX_ONE_TERM))
 def test_asked_for_two_terms_a_one_term_format_takes_them(kind):
     # two_tile_terms (the lm_head's): both bf16 terms again, within their bound and far closer

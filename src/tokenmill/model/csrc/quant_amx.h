@@ -374,7 +374,7 @@ TA_TARGET void blocks_of(const Weights& w, const SplitActs& a, int64_t M, int64_
             const float* const mn[2] = {s0 + span_units * kCols, two ? s1 + span_units * kCols : nullptr};
             float* const yt[2] = {bf16_y ? reinterpret_cast<float*>(reinterpret_cast<uint16_t*>(y) + m0 * ldy + nb * kCols)
                                          : y + m0 * ldy + nb * kCols,
-                                  y + m0 * ldy + (up > 0 ? nb : nb + 1) * kCols};  // (up: unused)
+                                  up > 0 ? nullptr : y + m0 * ldy + (nb + 1) * kCols};  // up: block 0's alone
             auto pair = [&]<int Terms>() {
               if (has_min) tile_pair<W, true, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0, up > 0, bf16_y);
               else tile_pair<W, false, Run, kPlanes<D>, Terms>(a, m0, rows, u0, units, b, sc, mn, yt, ldy, g0 > 0, up > 0, bf16_y);

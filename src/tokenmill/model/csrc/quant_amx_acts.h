@@ -35,7 +35,7 @@ struct SplitActs {
   int64_t Mp = 0, K = 0;
 };
 
-// What of the split a step's tiles read (quant_amx.h `needs_of`): hi always, lo where a tile
+// What of the split a step's tiles read (quant_amx_calls.h `needs_of`): hi always, lo where a tile
 // multiplies two terms, the sums where a format has a min. Why: a step whose formats take hi alone
 // and have no min (Q8_0, Q6_K) spent ~5 % of a 512-token prompt making lo and the sums (their
 // horizontal adds), which nothing read.
