@@ -35,13 +35,25 @@ inline SplitNeeds needs_of(const Weights& w, bool two_terms) {
 inline SplitNeeds needs_of(const Weights&, bool) { return {}; }
 #endif  // TM_AMX_COMPILES
 
-// x's rows as the tiles take them (what `needs` says), in `scratch` (the caller's, alive while they are read).
-// A bfloat16 x is its own hi, read in place where its rows fill whole tiles (else copied with the
-// padding rows zero): what needs nothing else takes it (the caller converts it otherwise).
+// What any of the weights' tiles read (the parts of a fused linear share one split).
+inline SplitNeeds needs_of(const std::vector<Weights>& w, bool two_terms) {
+  SplitNeeds needs{false, false};
+  for (const Weights& wi : w) {
+    const SplitNeeds n = needs_of(wi, two_terms);
+    needs = {needs.lo || n.lo, needs.sums || n.sums};
+  }
+  return needs;
+}
+
+// x's rows (contiguous) as the tiles take them (what `needs` says), in `scratch` (the caller's, alive
+// while they are read). A bfloat16 x is its own hi, read in place where its rows fill whole tiles
+// (else copied with the padding rows zero); where lo or the sums are needed too, its float32 values
+// are split.
 inline SplitActs split_rows(const at::Tensor& x, at::Tensor& scratch, SplitNeeds needs) {
+  TORCH_CHECK(x.is_contiguous(), "AMX tiles: x must have contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kBFloat16 && (needs.lo || needs.sums)) return split_rows(x.to(at::kFloat), scratch, needs);
   if (x.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(!needs.lo && !needs.sums && x.is_contiguous(), "AMX tiles: a bf16 x needs hi alone, contiguous");
     SplitActs a{nullptr, nullptr, nullptr, nullptr, padded_rows(M), K};
     if (a.Mp == M) {
       a.hi = reinterpret_cast<uint16_t*>(x.data_ptr());
@@ -66,14 +78,8 @@ inline at::Tensor multiply(const at::Tensor& x, const std::vector<Weights>& w, c
   const int64_t M = x.size(0), nblocks = block0.back(), N = nblocks * kCols;
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return y;
-  SplitNeeds needs{false, false};
-  for (const Weights& wi : w) {
-    const SplitNeeds n = needs_of(wi, two_terms);
-    needs = {needs.lo || n.lo, needs.sums || n.sums};
-  }
-  const at::Tensor xs = x.scalar_type() == at::kBFloat16 && (needs.lo || needs.sums) ? x.to(at::kFloat) : x;
   at::Tensor scratch;
-  const SplitActs a = split_rows(xs, scratch, needs);
+  const SplitActs a = split_rows(x, scratch, needs_of(w, two_terms));
   float* yp = y.data_ptr<float>();
   // Threads take column blocks (every thread reads all rows' activations from L2 / L3, which a
   // 512-row step of K = 1536 holds in 3 MB; each decodes only its own blocks).
@@ -96,10 +102,8 @@ inline at::Tensor multiply_silu_mul(const at::Tensor& x, const Weights& w, int64
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({M, N / 2}, x.options());
   if (M == 0) return y;
-  const SplitNeeds needs = needs_of(w, false);
-  const at::Tensor xs = bf16 && (needs.lo || needs.sums) ? x.to(at::kFloat) : x;
   at::Tensor scratch;
-  const SplitActs a = split_rows(xs, scratch, needs);
+  const SplitActs a = split_rows(x, scratch, needs_of(w, false));
   float* yp = static_cast<float*>(y.data_ptr());
   at::parallel_for(0, half, 1, [&](int64_t b0, int64_t b1) { blocks(w, a, M, b0, b1, yp, N / 2, false, half, bf16); });
   return y;
