@@ -97,8 +97,10 @@ def test_end_to_end_on_tiny_model(tmp_path, capsys):
     for test in ("pp", "tg"):
         assert len(ours[test]["runs"]) == 2 and ours[test]["tokens_per_s"] > 0
     assert ours["pp"]["fraction_of_ceiling"] > 0
+    # a folder has no file bytes to put decode against
+    assert report["model"]["token_weight_bytes"] is None and "gb_per_s" not in ours["tg"]
     printed = capsys.readouterr().out
-    assert "pp12" in printed and "tg5" in printed
+    assert "pp12" in printed and "tg5" in printed and "MB of weights a token" not in printed
 
 
 def test_peer_needs_a_gguf_and_a_binary(tmp_path, capsys):
@@ -130,6 +132,13 @@ def test_end_to_end_with_fake_llama_bench(tmp_path, capsys, rounds):
     assert len(ours["pp"]["runs"]) == len(peer["tg"]["runs"]) == 2 * rounds  # every round's runs
     printed = capsys.readouterr().out
     assert "tokenmill / llama.cpp: pp12" in printed
+    # decode against the bytes a token reads: the bundled file's, one figure for both engines
+    token_bytes, ceiling = report["model"]["token_weight_bytes"], report["read_ceiling_gb_per_s"]
+    assert 0.9 * os.path.getsize(default_model_path()) < token_bytes < os.path.getsize(default_model_path())
+    for engine in (ours, peer):
+        assert engine["tg"]["gb_per_s"] == pytest.approx(token_bytes * engine["tg"]["tokens_per_s"] / 1e9)
+        assert engine["tg"]["fraction_of_read_ceiling"] == pytest.approx(engine["tg"]["gb_per_s"] / ceiling)
+    assert f"tg5 reads {token_bytes / 1e6:.1f} MB of weights a token" in printed
     if rounds == 1:
         assert "round_ratios" not in report and "one run" in printed
         assert report["ratios"]["pp"] == pytest.approx(ours["pp"]["tokens_per_s"] / 300.0)

@@ -30,6 +30,7 @@ from tokenmill.bench.common import (
     run_settings,
 )
 from tokenmill.bench.llama_cpp_peer import PeerError, find_binary, run_llama_bench
+from tokenmill.bench.token_bytes import read_ceiling, token_weight_bytes
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 PEERS = ("none", "llama.cpp")
@@ -77,7 +78,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         llama_bench = find_binary("llama-bench", args.llama_cpp)
 
     kwargs = engine_kwargs(args)
-    first: dict[str, Any] = {}
+    first: dict[str, Any] = {"token_bytes": token_weight_bytes(model_path)}
     rounds: list[dict[str, dict]] = []
     for _ in range(args.rounds):
         results = {"tokenmill": _tokenmill_round(args, kwargs, first)}
@@ -92,13 +93,18 @@ def cmd_latency(args: argparse.Namespace) -> int:
         if engine == "tokenmill":
             r["pp"]["fraction_of_ceiling"] = r["pp"]["gflop_per_s"] / ceilings[
                 fast_gemm_dtype() if args.precision == "fast" else "fp32"]
+        if first["token_bytes"]:  # decode against the bytes a token reads (bench/token_bytes.py)
+            r["tg"]["gb_per_s"] = first["token_bytes"] * r["tg"]["tokens_per_s"] / 1e9
+            r["tg"]["fraction_of_read_ceiling"] = r["tg"]["gb_per_s"] / first["read_ceiling"]
 
     report = {
         "settings": {**settings, "load_average_end": run_settings(threads)["load_average"],
                      "precision": args.precision, "engine_args": kwargs, "decode_prompt_len": DECODE_PROMPT_LEN,
                      "args": {k: v for k, v in vars(args).items() if k != "func"}},
         "ceilings_gflop_per_s": ceilings,
-        "model": {"path": model_path, "architecture": config.architecture, "pp_gflop": pp_gflop},
+        "read_ceiling_gb_per_s": first["read_ceiling"],
+        "model": {"path": model_path, "architecture": config.architecture, "pp_gflop": pp_gflop,
+                  "token_weight_bytes": first["token_bytes"]},
         "results": results,
     }
     if "llama.cpp" in results:
@@ -120,12 +126,13 @@ def _tokenmill_round(args: argparse.Namespace, kwargs: dict, first: dict[str, An
     from tokenmill.entrypoints.llm import LLM
 
     llm = LLM(args.model, **kwargs)
-    if not first:
+    if "threads" not in first:
         threads = llm.config.threads
         config = llm.engine.runner.model.config
         first.update(threads=threads, config=config, settings=run_settings(threads),  # the load they started under
                      pp_gflop=model_flops(config).run_flops(args.prompt_len, 1, 1) / 1e9)  # layers per token, lm_head once
         first["ceilings"] = matmul_ceilings(threads, args.ceiling_size)
+        first["read_ceiling"] = read_ceiling(threads, first["token_bytes"]) if first["token_bytes"] else None
     vocab = llm.engine.vocab_size
     if args.warmup:
         measure_prompt(llm, _prompt(args.prompt_len, vocab, args.workload_seed + WARMUP_SEED_OFFSET))
@@ -253,6 +260,12 @@ def _print_report(report: dict, prompt_len: int, gen_len: int) -> None:
     for row in rows:
         print("  ".join([row[0].ljust(widths[0]), row[1].ljust(widths[1])]
                         + [cell.rjust(w) for cell, w in zip(row[2:], widths[2:])]))
+    if report["model"]["token_weight_bytes"]:
+        reads = ", ".join(f"{engine} {r['tg']['gb_per_s']:.1f} GB/s ({100 * r['tg']['fraction_of_read_ceiling']:.0f} %)"
+                          for engine, r in report["results"].items())
+        print(f"tg{gen_len} reads {report['model']['token_weight_bytes'] / 1e6:.1f} MB of weights a token, which "
+              f"this machine reads at {report['read_ceiling_gb_per_s']:.1f} GB/s ({s['threads']} threads, best of "
+              f"repeated sums): {reads}")
     if "ratios" in report:
         r, rounds = report["ratios"], report.get("round_ratios")
         how = "one run" if rounds is None else (
