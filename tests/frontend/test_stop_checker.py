@@ -132,3 +132,28 @@ def test_any_chunking_gives_the_reference_result(
         shown += checker.flush()
     assert shown == expected
     assert checker.stop_reason == expected_stop
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab ", max_size=30), stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=6),
+                                                                  min_size=1, max_size=3))
+def test_holds_back_exactly_the_longest_pending_prefix(text: str, stops: list[str]) -> None:
+    checker = StopChecker(stops)
+    if checker.feed(text).stopped:
+        return
+    pending = [k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])]
+    assert checker.held_text == text[len(text) - max(pending, default=0):]
+
+
+def test_a_long_stop_string_costs_memory_linear_in_its_length() -> None:
+    # Every prefix of a 400,000-character stop string kept in a set was ~80 GB: the detokenizer died.
+    import tracemalloc
+
+    tracemalloc.start()
+    checker = StopChecker(["x" * 400_000 + "!"])
+    shown = "".join(checker.feed("x" * 50).text for _ in range(20))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert shown == "" and len(checker.held_text) == 1000  # all of it may still become the stop
+    assert peak < 20 * 400_000  # a few copies of the string at most
+    assert checker.feed("y").text == "x" * 1000 + "y"
