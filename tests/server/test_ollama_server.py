@@ -121,6 +121,24 @@ def test_errors_in_ollama_shape(client, server):
     assert err.value.status_code == 501 and "model store" in err.value.error
     r = httpx.post(f"{server.url}/api/chat", json={"messages": CHAT, "options": {"temperature": "hot"}}, headers=AUTH)
     assert r.status_code == 400 and "options.temperature" in r.json()["error"]
+    # booleans are ints in Python, not token ids: a 400 here, not a request the engine cannot decode
+    r = httpx.post(f"{server.url}/api/generate", json={"prompt": "hi", "context": [True, False], "stream": False},
+                   headers=AUTH, timeout=30)
+    assert r.status_code == 400 and "context" in r.json()["error"]
     with pytest.raises(ollama.ResponseError) as err:
         client.delete("x")
     assert err.value.status_code == 501
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "says"), [
+    ("POST", "/api/chat", {"messages": CHAT, "stream": "no"}, 400, "stream must be true or false"),
+    ("POST", "/api/generate", {"prompt": "hi", "raw": "yes"}, 400, "raw must be true or false"),
+    ("POST", "/api/chat", {"model": 5, "messages": CHAT}, 400, "model must be a string"),
+    ("POST", "/api/show", {}, 400, "model is required"),
+    ("POST", "/api/chat", {"messages": CHAT, "options": {"tool_choice": "required"}}, 400, "needs a non-empty tools"),
+    ("GET", "/api/chat", None, 405, "not allowed on /api/chat: use POST"),
+    ("POST", "/api/nonexistent", {}, 404, "/api/nonexistent not found"),
+])
+def test_bad_requests_get_ollama_errors(server, method, path, body, status, says):
+    r = httpx.request(method, f"{server.url}{path}", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == status and says in r.json()["error"], r.text

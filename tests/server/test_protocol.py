@@ -85,7 +85,8 @@ def test_echo_with_logprobs_scores_the_prompt():
     ("build", "param"),
     [
         (lambda: chat(top_logprobs=2), "top_logprobs"),
-        (lambda: chat(logprobs=True, top_logprobs=21), "logprobs"),
+        (lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs"),  # the field the client sent
+        (lambda: chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
         (lambda: chat(response_format={"type": "yaml"}), "response_format"),
         (lambda: chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),
         (lambda: completion(guided_choice=[]), "guided_choice"),
@@ -163,3 +164,53 @@ def test_sampling_params_cross_the_wire_and_are_validated_again():
                                   "params": {"top_p": 7.0}})
     with pytest.raises(msgspec.ValidationError, match="top_p"):
         msgspec.msgpack.Decoder(ToScheduler).decode(bad)
+
+
+def test_an_undecodable_request_is_reported_with_its_id_not_dropped(tmp_path):
+    # A value the API's validation let through (a bool where a token id goes) must fail its request
+    # in the scheduler: dropped, the client waited forever.
+    import time
+
+    import zmq
+
+    from tokenmill.engine.scheduler_process import SchedulerLoop
+    from tokenmill.ipc.channels import IpcPaths, Receiver, Sender, Undecodable
+    from tokenmill.ipc.messages import RequestFailed
+
+    paths, ctx = IpcPaths(str(tmp_path)), zmq.Context()
+    try:
+        inboxes = [Receiver(ctx, paths.address(name), ToScheduler, report_undecodable=report)
+                   for name, report in (("reporting", True), ("dropping", False))]
+        for name in ("reporting", "dropping"):
+            out = Sender(ctx, paths.address(name))
+            out.send(AddRequest("r-7", [True, False], completion()))  # msgspec encodes the bools as bools
+            out.sock.send(b"\xc1")  # not even msgpack (0xc1 is never used)
+            out.send(AddRequest("r-8", [1, 2], completion()))
+        got = [[] for _ in inboxes]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(len(g) >= n for g, n in zip(got, (3, 1))):
+            for inbox, g in zip(inboxes, got):
+                inbox.poll(50)
+                g.extend(inbox.drain())
+        reported, dropped = got
+        assert [type(m) for m in dropped] == [AddRequest] and dropped[0].request_id == "r-8"
+        assert [type(m) for m in reported] == [Undecodable, Undecodable, AddRequest]
+        first, garbage = reported[0], reported[1]
+        assert (first.tag, first.request_id) == ("AddRequest", "r-7") and "prompt_token_ids" in first.error
+        assert (garbage.tag, garbage.request_id) == (None, None)
+
+        class Main:
+            sent: list = []
+
+            def send(self, message):
+                self.sent.append(message)
+
+        loop = SchedulerLoop.__new__(SchedulerLoop)  # only handle() and its channel to main
+        loop.to_main, loop._stats_dirty = Main(), False
+        loop.handle(first)
+        loop.handle(garbage)  # nothing to answer: no request id
+        [failed] = Main.sent
+        assert isinstance(failed, RequestFailed) and (failed.request_id, failed.status) == ("r-7", 400)
+        assert "Expected `int`, got `bool`" in failed.message
+    finally:
+        ctx.destroy(linger=0)

@@ -27,7 +27,7 @@ from tokenmill.engine.memory_trim import HeapTrimmer, write_kv_pool_map
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.step_stats import DASHBOARD_STATS, PrefixTreeSummary
 from tokenmill.errors import InvalidRequest
-from tokenmill.ipc.channels import DETOKENIZER, MAIN, SCHEDULER, IpcPaths, Receiver, Sender
+from tokenmill.ipc.channels import DETOKENIZER, MAIN, SCHEDULER, IpcPaths, Receiver, Sender, Undecodable
 from tokenmill.ipc.lifecycle import child_process_setup, parent_alive
 from tokenmill.ipc.messages import (
     AbortRequest,
@@ -92,7 +92,7 @@ class SchedulerLoop:
                 return
 
     # ---- messages --------------------------------------------------------------------------
-    def handle(self, message: ToScheduler) -> None:
+    def handle(self, message: ToScheduler | Undecodable) -> None:
         self._stats_dirty = True
         if isinstance(message, AddRequest):
             self.add(message)
@@ -101,6 +101,11 @@ class SchedulerLoop:
                 # The detokenizer holds state for it: end that too (the API side already forgot it).
                 self._emit([TokenOutput(message.request_id, [], True, "abort", None)])
             self._unreported.pop(message.request_id, None)
+        elif isinstance(message, Undecodable):
+            # Its sender waits for an answer: a request the API server passed on is failed with the
+            # reason (a value its validation let through), never dropped to wait forever.
+            if message.tag == "AddRequest" and message.request_id is not None:
+                self.to_main.send(RequestFailed(message.request_id, f"invalid request: {message.error}", 400))
         elif isinstance(message, FinishRequest):
             request = self.engine.requests.get(message.request_id)
             if self.engine.finish_request(message.request_id, RequestStatus.FINISHED_STOPPED, message.stop_reason):
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         from tokenmill.engine.factory import build_engine_core
 
         config = EngineConfig.from_kwargs(**json.loads(args.config))
-        inbox = Receiver(ctx, paths.address(SCHEDULER), ToScheduler)
+        inbox = Receiver(ctx, paths.address(SCHEDULER), ToScheduler, report_undecodable=True)
         to_detok = Sender(ctx, paths.address(DETOKENIZER))
         engine = build_engine_core(config)
         write_kv_pool_map(engine.runner.kv_caches)  # soak benchmarks: where the KV pool lives

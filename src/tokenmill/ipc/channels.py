@@ -61,21 +61,34 @@ def encode(message: Any) -> bytes:
     return _encoder.encode(message)
 
 
-class Receiver:
-    """A blocking PULL socket (child processes) decoding one union type."""
+@dataclass(frozen=True)
+class Undecodable:
+    """A message that arrived but is not its channel's type (a field of the wrong type, a value its
+    struct's validation refuses): what could still be read of it, so that the request it carried can
+    be failed with the reason instead of waiting for an answer that never comes."""
 
-    def __init__(self, ctx: zmq.Context, address: str, message_type: Any) -> None:
+    tag: str | None  # the struct's tag ("AddRequest"), when the message is a map that has one
+    request_id: str | None
+    error: str  # msgspec's message: what is wrong, and where ("... - at `$.prompt_token_ids[0]`")
+
+
+class Receiver:
+    """A blocking PULL socket (child processes) decoding one union type. `report_undecodable`: drain()
+    returns an Undecodable in place of a message that does not decode, instead of dropping it."""
+
+    def __init__(self, ctx: zmq.Context, address: str, message_type: Any, report_undecodable: bool = False) -> None:
         self.sock = ctx.socket(zmq.PULL)
         _configure(self.sock)
         self.sock.bind(address)
         self._decoder = msgspec.msgpack.Decoder(message_type)
+        self._report = report_undecodable
 
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.sock.poll(timeout_ms, zmq.POLLIN))
 
     def drain(self) -> list[Any]:
-        """Everything queued now, without blocking. An undecodable message is logged and dropped:
-        the loop that serves every other request must keep turning."""
+        """Everything queued now, without blocking. An undecodable message is logged, and dropped or
+        reported: the loop that serves every other request must keep turning."""
         messages = []
         while True:
             try:
@@ -84,8 +97,20 @@ class Receiver:
                 return messages
             try:
                 messages.append(self._decoder.decode(data.buffer))
-            except msgspec.DecodeError:
-                logger.exception("dropping an undecodable message (%d bytes)", len(data.buffer))
+            except msgspec.DecodeError as exc:
+                logger.exception("undecodable message (%d bytes)", len(data.buffer))
+                if self._report:
+                    messages.append(_undecodable(data.buffer, exc))
+
+
+def _undecodable(buffer: Any, exc: msgspec.DecodeError) -> Undecodable:
+    try:
+        raw = msgspec.msgpack.decode(buffer)
+    except msgspec.DecodeError:  # not even msgpack
+        raw = None
+    fields = raw if isinstance(raw, dict) else {}
+    tag, rid = fields.get("type"), fields.get("request_id")
+    return Undecodable(tag if isinstance(tag, str) else None, rid if isinstance(rid, str) else None, str(exc))
 
 
 class Sender:

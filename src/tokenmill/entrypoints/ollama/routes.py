@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 
 from tokenmill.entrypoints.ollama.options import chat_messages, response_format, sampling_fields, tool_choice
 from tokenmill.entrypoints.ollama.replies import (
@@ -90,6 +91,9 @@ class OllamaServing:
     def check_model(self, body: dict[str, Any]) -> str:
         card = self.card()
         name = body.get("model")
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequest(f"model must be a string, got {type(name).__name__}", param="model")
+        _check_flags(body)
         if name is not None and name not in card.names():
             raise RequestError(f"model '{name}' not found; this server serves '{card.name}'", 404)
         return name or card.name
@@ -101,11 +105,14 @@ class OllamaServing:
         if not body.get("messages"):
             return self._load_reply(model, body, {"message": {"role": "assistant", "content": ""}})
         fields = {"messages": chat_messages(body["messages"])}
+        choice = tool_choice(body.get("options"))
         if body.get("tools"):
             fields["tools"] = body["tools"]
-            choice = tool_choice(body.get("options"))
             if choice is not None:
                 fields["tool_choice"] = choice
+        elif choice is not None:  # as the OpenAI route answers it: a forced call needs a tool to call
+            raise InvalidRequest(f"options.tool_choice {choice!r} needs a non-empty tools list",
+                                 param="options.tool_choice")
         return await self._generate(model, body, fields, arrival, raw, chat=True)
 
     async def generate(self, body: dict[str, Any], raw: Request) -> Response:
@@ -149,7 +156,7 @@ class OllamaServing:
                                          add_generation_prompt=True, tools=req.tools, chat_template_kwargs=kwargs)
         context = body.get("context") if not chat else None
         if context:
-            if not isinstance(context, list) or not all(isinstance(t, int) for t in context):
+            if not isinstance(context, list) or not all(_is_token_id(t) for t in context):
                 raise InvalidRequest("context must be a list of token ids", param="context")
             ids = list(context) + ids
         reasoning = None
@@ -181,7 +188,9 @@ class OllamaServing:
                 inputs, str) else inputs)):
             raise InvalidRequest("input must be a string or a list of strings", param="input")
         server = self.server()
-        vectors, tokens = await embed_inputs(self.manager, server.metrics, inputs, new_id("embed"))
+        # Ollama cuts an input to the context unless `truncate` is false (then: a 400, as OpenAI's route)
+        vectors, tokens = await embed_inputs(self.manager, server.metrics, inputs, new_id("embed"),
+                                             truncate=body.get("truncate", True))
         timing = Timing(arrival, prompt_tokens=tokens)
         fields = timing.fields()
         return JSONResponse({"model": model, "embeddings": [as_floats(v) for v in vectors],
@@ -200,6 +209,8 @@ class OllamaServing:
     def show(self, body: dict[str, Any], raw: Request) -> JSONResponse:
         card = self.card()
         name = body.get("model") or body.get("name")
+        if not isinstance(name, str):
+            raise InvalidRequest("model is required: the name of the model to show", param="model")
         if name not in card.names():
             raise RequestError(f"model '{name}' not found", 404)
         server = self.server()
@@ -364,6 +375,19 @@ def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, aut
                                "started with and has no model store", 501)
         # Documented as what they answer: 501, always (the OpenAPI spec and its fuzz test see it so).
         route("DELETE" if name == "delete" else "POST", f"/api/{name}", store, status_code=501)
+    # Anything else under /api/ answers in Ollama's shape too (the app's own 404 / 405 are OpenAI's):
+    # the last route, so it only sees what no route above took, a known path with another method included.
+    methods = {r.path: sorted(r.methods) for r in router.routes if isinstance(r, APIRoute)}
+
+    async def elsewhere(raw: Request) -> JSONResponse:
+        allowed = methods.get(raw.url.path)
+        if allowed is None:
+            return JSONResponse({"error": f"{raw.url.path} not found"}, status_code=404)
+        return JSONResponse({"error": f"method {raw.method} not allowed on {raw.url.path}: use {', '.join(allowed)}"},
+                            status_code=405, headers={"Allow": ", ".join(allowed)})
+
+    router.add_api_route("/api/{rest:path}", elsewhere, include_in_schema=False,
+                         methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     app.include_router(router)
 
 
@@ -381,3 +405,18 @@ async def _body(raw: Request) -> dict[str, Any]:
 def _encode_raw(tokenizer: Any, text: str) -> list[int]:
     """/api/generate with raw: the prompt as it is, no template (module level: tokenizer workers pickle it)."""
     return tokenizer.encode(text)
+
+
+def _is_token_id(value: Any) -> bool:
+    # bool is an int in Python, but not a token id: [true] must be refused here, not reach the engine.
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# Ollama's boolean switches: a string such as "no" is truthy in Python, so it would silently mean yes.
+_FLAGS = ("stream", "raw", "truncate")
+
+
+def _check_flags(body: dict[str, Any]) -> None:
+    for flag in _FLAGS:
+        if flag in body and body[flag] is not None and not isinstance(body[flag], bool):
+            raise InvalidRequest(f"{flag} must be true or false, got {body[flag]!r}", param=flag)

@@ -48,8 +48,10 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
-def _tokenize(tokenizer: Tokenizer, inputs: Inputs, max_model_len: int, param: str) -> list[list[int]]:
-    """Token ids per input. Runs in a thread or a tokenizer worker (frontend/tokenize_pool.py)."""
+def _tokenize(tokenizer: Tokenizer, inputs: Inputs, max_model_len: int, param: str,
+              truncate: bool = False) -> list[list[int]]:
+    """Token ids per input. Runs in a thread or a tokenizer worker (frontend/tokenize_pool.py).
+    truncate: each input's first max_model_len tokens, as Ollama's `truncate` (its default) asks."""
     if isinstance(inputs, str):
         inputs = [inputs]
     if not inputs:
@@ -63,18 +65,19 @@ def _tokenize(tokenizer: Tokenizer, inputs: Inputs, max_model_len: int, param: s
         if isinstance(item, str):
             if not item:
                 raise InvalidRequest(f"{param} holds an empty string", param=param)
-            check_length_bound(tokenizer, item, max_model_len, param)
+            if not truncate:
+                check_length_bound(tokenizer, item, max_model_len, param)
             out.append(tokenizer.encode(item))
         else:
             out.append(list(item))
-    return out
+    return [ids[:max_model_len] for ids in out] if truncate else out
 
 
 async def embed_inputs(manager: TokenizerManager, metrics: ServerMetrics, inputs: Inputs, request_id: str,
-                       param: str = "input") -> tuple[list[bytes], int]:
+                       param: str = "input", truncate: bool = False) -> tuple[list[bytes], int]:
     """The vectors (float32 bytes) of `inputs` and their token count, through the engine."""
     assert manager.limits is not None
-    ids = await run_tokenizer(manager, _tokenize, inputs, manager.limits.max_model_len, param)
+    ids = await run_tokenizer(manager, _tokenize, inputs, manager.limits.max_model_len, param, truncate)
     vectors = await manager.embed(request_id, ids, PoolingParams(), param)
     tokens = sum(len(i) for i in ids)
     metrics.observe_embedding(tokens)
