@@ -102,6 +102,11 @@ def test_a_burst_beyond_the_queue_bound_gets_503s_and_loses_nothing(server, mode
     assert counted and float(counted.group(1)) >= len(refused)
     assert "tokenmill:num_requests_queued_frontend 0.0" in metrics  # the queue has drained
     assert send(99).status_code == 200  # and the server serves again
+    # One request making more sequences than the queue ever holds (3 > 2) could never pass: a 400 that
+    # says so, not a 503 the SDKs would retry.
+    alone = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                       json={"model": model, "prompt": "hi", "max_tokens": 1, "n": 3})
+    assert alone.status_code == 400 and "--max-queued-requests" in alone.json()["error"]["message"]
 
 
 def test_tokenizer_workers_tokenize_refuse_huge_prompts_and_keep_torch_out(server, model):

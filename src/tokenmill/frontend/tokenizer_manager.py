@@ -251,7 +251,7 @@ class TokenizerManager:
         if limits is None:
             raise RequestError("the scheduler has not reported its limits yet", 503)
         if not internal:
-            self.check_queue(len(seqs), limits)
+            self.check_queue(len(seqs), limits, prompt_param)
         for seq in seqs:
             check_prompt(seq.prompt_token_ids, seq.params, limits, prompt_param)
 
@@ -281,13 +281,20 @@ class TokenizerManager:
         least 256): a queue longer than that would wait longer than its clients do."""
         return self.max_queued_requests or max(256, limits.kv_capacity_tokens // 64)
 
-    def check_queue(self, new: int, limits: SchedulerReady) -> None:
+    def check_queue(self, new: int, limits: SchedulerReady, param: str) -> None:
         """Overload control: with the queue full, a new request gets 503 and Retry-After at once
-        rather than a 200 whose first token comes after every request queued before it."""
+        rather than a 200 whose first token comes after every request queued before it. A request
+        that alone makes more sequences than the queue holds could never pass: 400, not a 503 a client
+        would retry."""
         bound = self.queued_bound(limits)
+        if new > bound:
+            raise RequestError(f"{param}: this request makes {new} sequences (prompts x n), more than the {bound} "
+                               "this server queues at once (--max-queued-requests); send it in parts", 400,
+                               param=param)
         if self.num_queued + new > bound:
             self.metrics.observe_rejected("queue_full")
-            raise RequestError(f"the server is overloaded: {bound} requests are already queued; retry later", 503,
+            raise RequestError(f"the server is overloaded: {self.num_queued} requests are queued and {bound} are the "
+                               "most it takes; retry later", 503,
                                code="server_overloaded", headers={"Retry-After": str(self.RETRY_AFTER_S)})
 
     async def generate(
@@ -344,7 +351,7 @@ class TokenizerManager:
         self.check_ready()
         limits = self.limits
         assert limits is not None
-        self.check_queue(len(prompts), limits)
+        self.check_queue(len(prompts), limits, prompt_param)
         for ids in prompts:
             check_embedding_input(ids, limits, prompt_param)
         queue: asyncio.Queue = asyncio.Queue()
