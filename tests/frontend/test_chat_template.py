@@ -100,6 +100,16 @@ def test_bad_messages(smol_tokenizer: Tokenizer, messages: Any) -> None:
     assert info.value.param == "messages"
 
 
+@pytest.mark.parametrize(("part", "says"), [
+    ({"type": "text"}, "a text part's text must be a string"),
+    ({"type": "text", "text": 5}, "a text part's text must be a string"),
+    ({"type": "image_url", "image_url": {"url": "x"}}, "only text parts are supported, got 'image_url'"),
+])
+def test_a_bad_content_part_says_what_is_wrong(smol_tokenizer: Tokenizer, part: Any, says: str) -> None:
+    with pytest.raises(InvalidRequest, match=f"messages\\[0\\].content: {says}"):
+        smol_tokenizer.apply_chat_template([{"role": "user", "content": [part]}])
+
+
 def test_assistant_tool_call_without_content_is_allowed() -> None:
     # Null content renders as empty text (vLLM's rule) and the arguments as an object, as templates expect.
     template = "{% for m in messages %}{{ m.role }}={{ m.content }}|{{ m.tool_calls[0].function.arguments.a }};" \

@@ -56,3 +56,14 @@ def test_a_bad_tool_schema_is_a_400_naming_tools():
     with pytest.raises(InvalidRequest) as info:
         backend.parse_spec(so)
     assert info.value.param == "tools"
+
+
+@pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}])
+def test_a_tool_whose_arguments_are_not_an_object_is_a_400(schema):
+    # A forced call under such a schema generated a bare value no tool call can carry: the reply came
+    # back empty with finish_reason "stop".
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    with pytest.raises(InvalidRequest, match=r"tools\[0\]\.function\.parameters must be an object schema") as info:
+        chat_sampling_params(ChatCompletionRequest.model_validate(
+            {"messages": [], "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}))
+    assert info.value.param == "tools"

@@ -142,9 +142,9 @@ def _content(content: Any, index: int, as_parts: bool) -> Any:
     for part in content:
         if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequest(
-                f"messages[{index}].content: only text parts are supported, got {kind!r}", param="messages"
-            )
+            why = ("a text part's text must be a string" if kind == "text"
+                   else f"only text parts are supported, got {kind!r}")
+            raise InvalidRequest(f"messages[{index}].content: {why}", param="messages")
         texts.append(part["text"])
     if as_parts:
         return [{"type": "text", "text": t} for t in texts]

@@ -10,7 +10,7 @@ import dataclasses
 
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tokenmill.errors import InvalidRequest
-from tokenmill.sample.sampling_params import OutputKind, SamplingParams, StructuredOutputParams
+from tokenmill.sample.sampling_params import MAX_LOGPROBS, OutputKind, SamplingParams, StructuredOutputParams
 
 # n samples become n engine requests; more than this is a typo or an attack, not a use case.
 MAX_N = 128
@@ -23,6 +23,10 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if req.top_logprobs is not None and not (isinstance(req.top_logprobs, int) and 0 <= req.top_logprobs <= MAX_LOGPROBS):
+        # checked here: SamplingParams would name its own field, `logprobs`, which chat's clients never sent
+        raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs!r}",
+                             param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.prompt_logprobs is not None:
         raise InvalidRequest("prompt_logprobs is supported on /v1/completions only", param="prompt_logprobs")
@@ -97,8 +101,14 @@ def check_tools(tools: list[dict] | None) -> None:
             raise InvalidRequest(f"tools[{i}].function.name must be a non-empty string", param="tools")
         for key, kind in (("description", str), ("parameters", dict)):
             if function.get(key) is not None and not isinstance(function[key], kind):
-                raise InvalidRequest(f"tools[{i}].function.{key} must be a {'string' if kind is str else 'object'}",
+                raise InvalidRequest(f"tools[{i}].function.{key} must be a{' string' if kind is str else 'n object'}",
                                      param="tools")
+        # A call's arguments are a JSON object (as OpenAI requires): a schema of another type would make
+        # a forced call generate a value no tool call can carry.
+        kind = (function.get("parameters") or {}).get("type", "object")
+        if kind != "object":
+            raise InvalidRequest(f"tools[{i}].function.parameters must be an object schema (type 'object'), "
+                                 f"got type {kind!r}", param="tools")
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:

@@ -75,6 +75,8 @@ def _text(content: Any, at: str) -> str:
     for k, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind in _TEXT_PARTS:
+                raise _invalid(f"{at}[{k}].text must be a string")
             raise _invalid(f"{at}[{k}]: only text parts are supported (input_text, output_text), got {kind!r}")
         pieces.append(part["text"])
     return "".join(pieces)
