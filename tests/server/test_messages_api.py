@@ -16,6 +16,7 @@ from tokenmill.entrypoints.openai.api_server import ServerConfig, ServerState, b
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.frontend.reasoning_parser import get_reasoning_parser
 from tokenmill.frontend.request_error import RequestError
+from tokenmill.ipc.messages import TextOutput
 
 TOOLS = [{"name": "get_weather", "description": "Weather in a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -140,3 +141,28 @@ def test_a_failure_mid_stream_ends_with_an_error_event():
                                                                      "event: error"]
     assert json.loads(lines[-1][len("data: "):]) == {
         "type": "error", "error": {"type": "overloaded_error", "message": "the server is shutting down"}}
+
+
+def test_streamed_usage_ends_as_the_messages_usage_with_the_cached_prompt():
+    # message_start goes out before the first output says how much of the prompt the cache served:
+    # the final message_delta carries the whole usage, so a stream's final message counts as create's.
+    class CachedPrefix(RecordingManager):
+        async def generate(self, request_id, seqs, **kw):
+            first = True
+            async for i, out in super().generate(request_id, seqs, **kw):
+                if first:
+                    out = TextOutput(out.request_id, out.text, out.token_ids, out.finished, out.finish_reason,
+                                     out.stop_reason, out.num_output_tokens, num_cached_tokens=5)
+                    first = False
+                yield i, out
+
+    app, manager = app_with("Sunny.")
+    manager.__class__ = CachedPrefix  # the attached manager, now answering from a cached prefix
+    with client_of(app) as http:
+        client = sdk(http)
+        made = client.messages.create(model="fake-model", max_tokens=20, messages=USER).usage
+        with client.messages.stream(model="fake-model", max_tokens=20, messages=USER) as stream:
+            streamed = stream.get_final_message().usage
+    assert made.cache_read_input_tokens == 5 and made.input_tokens > 0
+    assert (streamed.input_tokens, streamed.cache_read_input_tokens, streamed.output_tokens) == (
+        made.input_tokens, made.cache_read_input_tokens, made.output_tokens)

@@ -3,7 +3,7 @@
 A request is translated to chat (translate.py), run by the shared chat_run.ChatRunner (template,
 tokenizer workers, validation, overload 503s, abort on disconnect, timelines, metrics), and its one
 choice's events become content blocks (output.py): a Message, or the stream `message_start`, `ping`,
-the blocks' events, `message_delta` (stop reason and output tokens), `message_stop`. Failures are
+the blocks' events, `message_delta` (stop reason and the final usage), `message_stop`. Failures are
 Anthropic's error JSON, `{"type": "error", "error": {"type", "message"}}`, also mid-stream.
 """
 
@@ -97,8 +97,10 @@ class MessagesServing:
             return
         run.record.set_usage(run.usage())
         reason, sequence = stop_reason(builder.finish)
+        # The whole usage again, as Anthropic's API sends it now: message_start went out before the first
+        # output said how much of the prompt the cache served, and the SDKs take these fields over.
         yield sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                    "usage": {"output_tokens": run.streams[0].num_tokens}})
+                                    "usage": _usage(run)})
         yield sse("message_stop", {"type": "message_stop"})
 
 
