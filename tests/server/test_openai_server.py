@@ -262,7 +262,7 @@ def test_echo_with_prompt_logprobs_like_lm_eval(client, model, llm):
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
         ("/v1/chat/completions", {"messages": CHAT, "temperature": -0.5}, 400, "temperature"),
-        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 50, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt"),
         ("/v1/completions", {"prompt": [100] * 9000}, 400, "prompt"),  # longer than the context

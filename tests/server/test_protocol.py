@@ -181,8 +181,8 @@ def test_an_undecodable_request_is_reported_with_its_id_not_dropped(tmp_path):
     try:
         inboxes = [Receiver(ctx, paths.address(name), ToScheduler, report_undecodable=report)
                    for name, report in (("reporting", True), ("dropping", False))]
-        for name in ("reporting", "dropping"):
-            out = Sender(ctx, paths.address(name))
+        senders = [Sender(ctx, paths.address(name)) for name in ("reporting", "dropping")]  # alive till the end:
+        for out in senders:  # LINGER 0 drops what a closed socket has not sent yet
             out.send(AddRequest("r-7", [True, False], completion()))  # msgspec encodes the bools as bools
             out.sock.send(b"\xc1")  # not even msgpack (0xc1 is never used)
             out.send(AddRequest("r-8", [1, 2], completion()))
