@@ -118,7 +118,11 @@ def test_api_key_as_x_api_key_or_bearer():
     ({"messages": USER}, "max_tokens"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages[0].content[0]"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
-    ({"max_tokens": 5, "messages": USER, "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"max_tokens": 5, "messages": USER, "tool_choice": {"type": "any"}}, "tool_choice 'any' needs a non-empty tools"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": []}]}, "messages[0].content is empty"),
+    ({"max_tokens": 5, "messages": USER, "tools": [{"name": "f", "input_schema": {"type": "string"}}]},
+     "tools[0].input_schema must be a JSON schema of type 'object'"),
+    ({"max_tokens": 5, "messages": USER, "stop_sequences": [""]}, "stop_sequences must be"),
     ({"max_tokens": 5, "messages": USER, "model": "claude-nope"}, "claude-nope"),
 ])
 def test_errors_in_anthropics_shape(body, words):

@@ -188,3 +188,14 @@ def test_a_failure_mid_stream_ends_as_response_failed_then_error():
     assert events[2]["response"]["error"] == {"code": "server_shutting_down", "message": "the server is shutting down"}
     with client_of(app) as http:
         assert http.post("/v1/responses", json={"input": "x"}).status_code == 503
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens must be"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
+])
+def test_a_bad_field_is_named_as_this_api_names_it(body, says):
+    app, _ = app_with("Hi")
+    with client_of(app) as http:
+        message = http.post("/v1/responses", json=body).json()["error"]["message"]
+    assert message.startswith(says) and "max_tokens" not in message and "response_format" not in message, message

@@ -33,6 +33,8 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             continue
         if not isinstance(content, list):
             raise _invalid(f"{at}.content must be a string or a list of content blocks")
+        if not content and not (message["role"] == "assistant" and i == len(req.messages) - 1):
+            raise _invalid(f"{at}.content is empty (only a final assistant turn, the reply's start, may be)")
         if message["role"] == "user":
             _user_blocks(content, at, messages)
         else:
@@ -122,7 +124,10 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         if not isinstance(tool.get("name"), str) or tool.get("type", "custom") != "custom":
             raise _invalid(f"tools[{i}] must be a custom tool with a 'name' and an 'input_schema' (this server "
                            "runs no server tools)", "tools")
-        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+        schema = tool.get("input_schema") or {"type": "object"}
+        if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+            raise _invalid(f"tools[{i}].input_schema must be a JSON schema of type 'object'", "tools")
+        function = {"name": tool["name"], "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})
@@ -147,6 +152,12 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> tuple[str | dict[str, Any
 
 def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     choice, parallel = chat_tool_choice(req.tool_choice)
+    kind = (req.tool_choice or {}).get("type")
+    if kind in ("any", "tool") and not req.tools:
+        raise _invalid(f"tool_choice {kind!r} needs a non-empty tools list", "tool_choice")
+    stops = getattr(req, "stop_sequences", None)
+    if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops)):
+        raise _invalid("stop_sequences must be a list of non-empty strings", "stop_sequences")
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req), "tools": chat_tools(req.tools),
                             "tool_choice": choice, "parallel_tool_calls": parallel}
     if isinstance(req, MessagesRequest):

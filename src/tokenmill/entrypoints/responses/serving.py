@@ -38,6 +38,9 @@ from tokenmill.frontend.request_error import RequestError
 
 # The chat path names chat's fields; a Responses client sent these instead.
 _RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+# Where a message starts with chat's field, the field a Responses client sent (message indices are not
+# mapped: instructions and a previous response shift them).
+_RENAMED_IN_TEXT = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 class ResponsesServing:
@@ -150,7 +153,12 @@ async def _build(run: ChatRun, builder: ResponseBuilder) -> None:
 def _renamed(exc: RequestError | InvalidRequest) -> RequestError:
     error = as_request_error(exc)
     param = _RENAMED.get(error.param or "", error.param)
-    return RequestError(error.message, error.status, param, error.code, error.headers)
+    message = error.message
+    for chat_field, ours in _RENAMED_IN_TEXT.items():  # "max_tokens must be ..." names this API's field
+        if message.startswith(chat_field):
+            message = ours + message[len(chat_field):]
+            break
+    return RequestError(message, error.status, param, error.code, error.headers)
 
 
 def _echo(req: ResponsesRequest) -> dict[str, Any]:
