@@ -93,19 +93,37 @@ def test_a_partial_page_is_copied_into_the_requests_own_page():
     engine.check_integrity()
 
 
-def test_a_copy_admission_that_finds_no_room_unlocks_the_page_it_would_copy():
+def test_a_copy_admission_that_finds_no_room_gives_up_the_copy():
     # 5 pages: "a" leaves pages 0-1 cached, "c" takes the other 3. "b" (a full hit: page 0 shared,
-    # 7 tokens of page 1 to copy) finds no page for its own while "c" runs: it waits, holding no lock.
+    # 7 tokens of page 1 to copy) finds no free page while "c" runs: holding page 1 for the copy is
+    # what keeps it, so "b" gives the copy up, page 1 is evicted for its own, and it computes those
+    # tokens itself, now rather than after "c".
     engine, runner = make_engine(page_size=16, kv_cache_tokens=80, max_num_seqs=4)
     run(engine, "a", PROMPT[:24], max_tokens=12)
     engine.add_request("c", [7] * 40, greedy(8))
     engine.step()
     engine.add_request("b", PROMPT[:24], greedy(3))
-    engine.step()
-    assert [r.request_id for r in engine.scheduler.running] == ["c"] and not runner.copies
-    engine.check_integrity()  # lock counts: only "c"'s own path
-    outputs = run_to_completion(engine)
-    assert outputs["b"] == reference_output(PROMPT[:24], 3) and len(runner.copies) == 1
+    first = [t for out in engine.step() if out.request_id == "b" for t in out.new_token_ids]
+    assert [r.request_id for r in engine.scheduler.running] == ["c", "b"] and not runner.copies
+    engine.check_integrity()
+    assert first + run_to_completion(engine)["b"] == reference_output(PROMPT[:24], 3) and not runner.copies
+    engine.check_integrity()
+
+
+def test_a_prompt_sharing_less_than_a_page_with_a_long_cached_one_is_admitted():
+    # 10 pages of 16. "a" leaves a 128-token prompt (8 pages, one edge of the tree) cached; "b"
+    # shares its first 5 tokens only, so it would copy a's first page, and needs 5 pages of 2 free.
+    # Its hold on that page once locked a's whole edge, so no eviction could make room: "b" waited
+    # forever. Now the edge is split after the page it copies, and the other 7 can be evicted.
+    engine, runner = make_engine(page_size=16, kv_cache_tokens=160, max_num_seqs=4)
+    long = [(i * 11) % 45 + 1 for i in range(128)]
+    run(engine, "a", long, max_tokens=1)
+    other = long[:5] + [(i * 13) % 41 + 2 for i in range(60)]
+    engine.add_request("b", other, greedy(4))
+    first = [t for out in engine.step() for t in out.new_token_ids]
+    assert [r.request_id for r in engine.scheduler.running] == ["b"] and len(runner.copies) == 1
+    engine.check_integrity()
+    assert first + run_to_completion(engine)["b"] == reference_output(other, 4)
     engine.check_integrity()
 
 

@@ -14,7 +14,9 @@ undo of it (engine/scheduler.py the rest: pages for the first chunk, then the co
   the runner copies that page into the first of them, in every KV group (`copy_page`), and the hold
   ends. The request overwrites the slots past the matched tokens as it computes those positions.
   No copy where a sliding group has no page there, or the runner cannot copy (`copy_page` None).
-- **Undo**, for a request that found no room after all: every hold released, nothing kept.
+- **Undo**, for a request that found no room after all: every hold released, nothing kept. Before
+  that the request tries again without the partial page (`drop_tail`): an optimisation must never be
+  what keeps it waiting.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ class PrefixAdmission:
         for src, mine in zip((pages[0] for pages in tail.window), request.window_pages or []):
             self.copy_page(src, mine[k])
         self._let_go(tail)
+
+    def drop_tail(self, request: Request, tail: RadixNode) -> None:
+        """Gives up the partial page: its hold ends and its tokens count as not computed. For a request
+        that finds no room while holding it: the hold may be what keeps the pages it needs from eviction."""
+        self._let_go(tail)
+        request.num_computed_tokens = request.num_tree_pages * self.pool.page_size
 
     def undo(self, request: Request, tail: RadixNode | None) -> None:
         """Undoes `start` for a request that could not be admitted after all."""

@@ -143,8 +143,11 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())
                 continue
             tail = self.prefix.start(request) if self.prefix is not None else None
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.pages)
+            n, need = self._first_chunk(request, budget)
+            if tail is not None and self.prefix is not None and not self._make_room(need * self.num_groups):
+                self.prefix.drop_tail(request, tail)  # without the partial page's hold, then
+                tail = None
+                n, need = self._first_chunk(request, budget)
             if not self._make_room(need * self.num_groups):
                 if self.prefix is not None:
                     self.prefix.undo(request, tail)
@@ -241,6 +244,11 @@ class Scheduler:
         request.pages.extend(self.pool.allocate(need))
         if self.windows is not None:
             self.windows.extend(request, need)
+
+    def _first_chunk(self, request: Request, budget: int) -> tuple[int, int]:
+        """The tokens of a waiting request's first chunk under `budget`, and the pages they need."""
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        return n, self.pool.pages_for(request.num_computed_tokens + n) - len(request.pages)
 
     def _make_room(self, need: int) -> bool:
         """Whether `need` pages are free, evicting unlocked cached pages if that makes it so."""

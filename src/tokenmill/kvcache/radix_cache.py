@@ -165,7 +165,10 @@ class RadixCache:
         children: a handful where prompts share a system prompt, one per prompt under a bare root.
 
         The tree shares whole pages only; a caller that wants those tokens' K/V copies the page
-        (child.pages[0]) into a page of its own, locking the child until it has.
+        (child.pages[0]) into a page of its own, locking the child until it has. A child of several
+        pages is split after its first, as `match` splits: the lock then holds that page alone (on the
+        whole edge it kept a long cached prompt from eviction, and a request sharing only its first
+        tokens could wait forever for pages only that eviction would free).
         """
         if match.node is None or not tokens:
             return None
@@ -180,6 +183,8 @@ class RadixCache:
                 best, best_n = child, n
                 if n == len(tokens):
                     break
+        if best is not None and len(best.pages) > 1:
+            best = self._split(best, 1)
         return (best, best_n) if best is not None else None
 
     def insert(self, tokens: list[int], pages: list[int], salt: str | None = None,
