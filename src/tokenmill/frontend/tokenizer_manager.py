@@ -410,10 +410,10 @@ class TokenizerManager:
             self.last_text_time = now = time.monotonic()
             for out in message.outputs:
                 state = self._states.get(out.request_id)
-                if state is not None:
+                if state is not None and not state.finished:
                     self._deliver(state, out, now)
-                elif out.timeline is not None:
-                    self.timelines.engine(out.request_id, out.timeline)
+                elif out.timeline is not None:  # the engine's last word on a text ended by a stop string:
+                    self.timelines.engine(out.request_id, out.timeline)  # its record only (its count is 0)
         elif isinstance(message, EmbeddingBatch):
             for item in message.outputs:
                 state = self._states.get(item.request_id)
