@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import platform
 import random
@@ -138,14 +139,20 @@ def matmul_ceilings(threads: int, size: int = 2048, seconds: float = 0.5) -> dic
         a = torch.randn(size, size).to(dtype)
         b = torch.randn(size, size).to(dtype)
         torch.mm(a, b)  # first call pays oneDNN's kernel selection
-        best, deadline, reps = float("inf"), time.perf_counter() + seconds, 0
-        while reps < 3 or (time.perf_counter() < deadline and reps < 50):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-            reps += 1
-        result[name] = 2.0 * size**3 / best / 1e9
+        result[name] = 2.0 * size**3 / best_seconds(functools.partial(torch.mm, a, b), seconds) / 1e9
     return result
+
+
+def best_seconds(work, seconds: float) -> float:
+    """The shortest of at least 3 timed calls of `work`, more (up to 50) while `seconds` last: a
+    machine's ceiling is its best, since other processes only ever make a sample slower."""
+    best, deadline, reps = float("inf"), time.perf_counter() + seconds, 0
+    while reps < 3 or (time.perf_counter() < deadline and reps < 50):
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+        reps += 1
+    return best
 
 
 # ---- one timed run and its summary -------------------------------------------------------------

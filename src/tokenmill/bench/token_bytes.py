@@ -17,10 +17,9 @@ matters, since a buffer that fits the last-level cache reads faster than one tha
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from tokenmill.bench.common import best_seconds
 from tokenmill.model.gguf_file import read_gguf
 
 
@@ -52,10 +51,4 @@ def read_ceiling(threads: int, nbytes: int, seconds: float = 0.5) -> float:
     torch.set_num_threads(threads)
     x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)  # written once: resident, not zero pages
     x.sum()
-    best, deadline, reps = float("inf"), time.perf_counter() + seconds, 0
-    while reps < 3 or (time.perf_counter() < deadline and reps < 50):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-        reps += 1
-    return x.numel() * 4 / best / 1e9
+    return x.numel() * 4 / best_seconds(x.sum, seconds) / 1e9

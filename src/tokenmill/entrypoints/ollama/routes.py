@@ -93,7 +93,6 @@ class OllamaServing:
         name = body.get("model")
         if name is not None and not isinstance(name, str):
             raise InvalidRequest(f"model must be a string, got {type(name).__name__}", param="model")
-        _check_flags(body)
         if name is not None and name not in card.names():
             raise RequestError(f"model '{name}' not found; this server serves '{card.name}'", 404)
         return name or card.name
@@ -398,6 +397,7 @@ async def _body(raw: Request) -> dict[str, Any]:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    _check_flags(body)
     return body
 
 
