@@ -225,16 +225,33 @@ def test_randomized_run_with_aborts_stop_strings_and_preemptions():
     assert engine.stats()["num_preemptions"] > 0
 
 
-def test_seeded_sampled_rows_are_reproducible_with_speculation():
-    def run() -> dict[str, list[int]]:
-        engine, _ = spec_engine(3, 0.2)
-        for i, p in enumerate(prompts(4, seed=9)):
-            params = SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=20, ignore_eos=True)
-            engine.add_request(str(i), p, params)
-        out = run_to_completion(engine)
+def seeded_outputs(k: int | None, companions: int = 0, **config) -> dict[str, list[int]]:
+    """Four seeded sampled requests (temperature 8: the fake model's true token has ~13 % of the
+    mass, so most draws are real draws) beside `companions` unseeded ones; k drafts a step, or none."""
+    if k is None:
+        engine, _ = make_engine(VOCAB, **config)
+    else:
+        engine, _ = spec_engine(k, 0.3, **config)
+    for i, p in enumerate(prompts(4, seed=9)):
+        params = SamplingParams(temperature=8.0, top_p=0.95, seed=100 + i, max_tokens=24, ignore_eos=True)
+        engine.add_request(str(i), p, params)
+    for j, p in enumerate(prompts(companions, seed=11)):
+        engine.add_request(f"other-{j}", p, SamplingParams(temperature=1.5, max_tokens=10, ignore_eos=True))
+    out = run_to_completion(engine)
+    if k is not None:
         assert engine.stats()["spec_decode_num_draft_tokens_total"] > 0
-        return out
+        assert engine.stats()["spec_decode_num_accepted_tokens_total"] > 0
+    return {rid: toks for rid, toks in out.items() if not rid.startswith("other")}
 
-    first = run()
-    assert first == run()
-    assert all(len(v) == 20 for v in first.values())
+
+def test_a_seeded_request_samples_the_same_tokens_with_or_without_speculation():
+    # Its draws are keyed by output position (sample/position_seeds.py): neither the drafts a step
+    # got (k, cut by the budget and the batch) nor the rows rejected after a miss move them.
+    plain = seeded_outputs(None)
+    assert all(len(v) == 24 for v in plain.values())
+    assert all(v != reference_output(p, 24, VOCAB) for v, p in zip(plain.values(), prompts(4, seed=9)))
+    assert seeded_outputs(1) == plain
+    assert seeded_outputs(3) == plain
+    assert seeded_outputs(5, companions=6, max_num_batched_tokens=24) == plain
+    assert seeded_outputs(4, companions=6, disable_by_batch_size=5) == plain
+    assert seeded_outputs(None, companions=6, kv_cache_tokens=160, page_size=4) == plain

@@ -121,8 +121,7 @@ class EngineCore:
                                         self.scheduler.capacity_tokens, self.config.scheduling_policy)
         if params.structured_output is not None:
             self.grammars.submit(request_id, params.structured_output)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        request = Request(request_id, list(prompt_token_ids), params, max_tokens, generator, cache_salt)
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens, cache_salt)
         # Same prompt and salt, same group: the scheduler prefills such requests once (n > 1).
         request.prefill_group = hash((cache_salt, tuple(prompt_token_ids)))
         self.requests[request_id] = request
@@ -248,7 +247,7 @@ class EngineCore:
                     return failed
         batch = verification_batch(
             [r.params for r in sampling],
-            [r.generator for r in sampling],
+            [r.params.seed for r in sampling],
             [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling],
             drafts,

@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from tokenmill.engine.timeline import RequestTimeline
 from tokenmill.sample.sampling_params import SamplingParams
 
@@ -53,7 +51,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # resolved: params.max_tokens, or what the context leaves
-    generator: torch.Generator | None = None  # seeded requests only
     cache_salt: str | None = None  # prefix-cache namespace: different salts never share KV
     output_token_ids: list[int] = field(default_factory=list)
     # The one progress counter: tokens whose K/V are in the cache. Prefill, chunked prefill, decode,

@@ -27,7 +27,8 @@ draw in two exact stages: with probability M (the mass of their top _START_K tok
 among the rest with full-vocabulary noise.
 Reproducibility: a seeded row draws from its own generator a number of values, and assigns them to
 tokens in an order (kept candidates by token id, or the whole vocabulary), that depend only on its own
-logits and params, never on the other rows of the batch or its row index.
+logits and params, never on the other rows of the batch or its row index. The engine gives each seeded
+row a fresh generator keyed by the request's seed and the row's output position (position_seeds.py).
 Ties: logits exactly equal at the top_k boundary are cut to exactly k by topk's order (vLLM keeps them
 all); tied logits inside the kept set are unaffected.
 """

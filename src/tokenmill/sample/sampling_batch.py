@@ -18,7 +18,8 @@ GREEDY_EPS = 1e-5
 @dataclass
 class SamplingBatch:
     params: list[SamplingParams]  # one per logits row
-    # The request's own generator for seeded requests; None: drawn from the sampler's engine generator.
+    # A seeded row's generator (the engine's: keyed by seed and output position, position_seeds.py);
+    # None: drawn from the sampler's engine generator.
     generators: list[torch.Generator | None]
     prompt_token_ids: list[list[int]]  # per row
     output_token_ids: list[list[int]]  # per row: tokens generated BEFORE this step

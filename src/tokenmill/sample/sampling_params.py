@@ -77,7 +77,7 @@ class StructuredOutputParams:
 @dataclass
 class SamplingParams:
     n: int = 1
-    max_tokens: int | None = 16  # None: up to the model's context length
+    max_tokens: int | None = 16  # None: up to the model's context length, or what the KV pool holds if less
     min_tokens: int = 0
     temperature: float = 1.0  # 0 means greedy
     top_k: int = -1  # -1 (or 0) disables

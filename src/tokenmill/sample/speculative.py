@@ -3,7 +3,8 @@
 A request that decodes with k draft tokens d_1..d_k gets k + 1 logits rows from the target: row j
 holds the target's distribution after prompt + output + d_1..d_j. Each row is sampled exactly as a
 non-speculative step would sample it (every processor: grammar mask, min_tokens, bias, penalties over
-output + d_1..d_j, temperature, top-k/top-p/min-p, the request's own generator), giving t_0..t_k.
+output + d_1..d_j, temperature, top-k/top-p/min-p; a seeded request's draws from the generator of the
+row's output position, sample/position_seeds.py), giving t_0..t_k.
 The accepted run is d_1..d_a, the longest prefix with t_{j-1} == d_j, followed by t_a.
 
 This is rejection sampling for proposers whose draft distribution q is one-hot at the proposed token
@@ -11,7 +12,9 @@ This is rejection sampling for proposers whose draft distribution q is one-hot a
 p(d) and, on rejection, drawing from normalize((p - q)+) = p without d, is the same as drawing t ~ p
 and accepting when t == d (P = p(d)), else keeping t (distributed as p restricted to t != d). So the
 output has exactly the non-speculative distribution, and a greedy row (t = argmax) reproduces
-non-speculative greedy decoding token for token.
+non-speculative greedy decoding token for token. A seeded row draws what a non-speculative step at
+the same position draws, so a seeded request's output does not depend on how many drafts its steps
+got (nor on the batch that decided it): it is its output without speculation.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.sample.position_seeds import position_generator
 from tokenmill.sample.sampling_batch import SamplingBatch
 from tokenmill.sample.sampling_params import SamplingParams
 
@@ -59,7 +63,7 @@ class DraftPositionMatcher:
 
 def verification_batch(
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int | None],
     prompts: Sequence[list[int]],
     outputs: Sequence[list[int]],
     drafts: Sequence[Sequence[int]],
@@ -67,7 +71,8 @@ def verification_batch(
 ) -> SamplingBatch:
     """The sampling rows of one step: per request, one row per draft plus one (just one without drafts).
 
-    Row j of a request sees output + drafts[:j] as its history. Row 0 passes the request's own output
+    Row j of a request sees output + drafts[:j] as its history and, if the request is seeded, draws
+    from the generator of output position len(output) + j. Row 0 passes the request's own output
     list, which the penalty history tracks incrementally across steps.
     """
     rows_params: list[SamplingParams] = []
@@ -78,7 +83,8 @@ def verification_batch(
     for i, d in enumerate(drafts):
         for j in range(len(d) + 1):
             rows_params.append(params[i])
-            rows_gens.append(generators[i])
+            seed = seeds[i]
+            rows_gens.append(None if seed is None else position_generator(seed, len(outputs[i]) + j))
             rows_prompts.append(prompts[i])
             rows_outputs.append(outputs[i] if j == 0 else outputs[i] + list(d[:j]))
             if rows_matchers is not None:
