@@ -42,7 +42,15 @@ def resolve_max_tokens(params: SamplingParams, n_prompt: int, vocab_size: int, m
             "which leaves no room for output",
             param="prompt",
         )
-    max_tokens = params.max_tokens if params.max_tokens is not None else room
+    # Left out: what the context leaves, and never more than the KV pool can hold (as the API checks).
+    max_tokens = params.max_tokens
+    if max_tokens is None:
+        max_tokens = min(room, capacity - n_prompt)
+        if max_tokens < 1:
+            raise InvalidRequest(
+                f"the prompt has {n_prompt} tokens, which fills the KV cache ({capacity} tokens) and "
+                "leaves no room for output", param="prompt",
+            )
     if max_tokens > room:
         raise InvalidRequest(
             f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context length "

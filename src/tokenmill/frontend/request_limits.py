@@ -38,7 +38,16 @@ def check_prompt(ids: Sequence[int], params: SamplingParams, limits: SchedulerRe
             f"{len(ids)} tokens, which leaves no room for output",
             400, param, "context_length_exceeded",
         )
-    max_tokens = params.max_tokens if params.max_tokens is not None else room
+    # Left out, max_tokens is what the context leaves, and never more than the KV pool can hold (a
+    # pool smaller than the context would otherwise refuse every request that leaves it out).
+    max_tokens = params.max_tokens
+    if max_tokens is None:
+        max_tokens = min(room, limits.kv_capacity_tokens - len(ids))
+        if max_tokens < 1:
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} tokens, which fills the KV cache ({limits.kv_capacity_tokens} "
+                "tokens) and leaves no room for output", param=param,
+            )
     if max_tokens > room:
         raise RequestError(
             f"this model's context length is {limits.max_model_len} tokens; the prompt ({len(ids)} "
