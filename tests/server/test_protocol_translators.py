@@ -41,12 +41,14 @@ def test_responses_items_become_chat_messages():
 def test_responses_request_fields_map_to_chat():
     req = ResponsesRequest.model_validate({
         "input": "Hi", "instructions": "Sys", "max_output_tokens": 7, "temperature": 0, "parallel_tool_calls": False,
+        "priority": -3, "seed": 5,
         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
         "tool_choice": {"type": "function", "name": "f"},
         "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}})
     chat = responses_chat(req, history=[{"role": "user", "content": "Earlier"}])
     assert [m["content"] for m in chat.messages] == ["Sys", "Earlier", "Hi"]
     assert chat.max_tokens == 7 and chat.parallel_tool_calls is False
+    assert chat.priority == -3 and chat.seed == 5
     assert chat.tools == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert chat.tool_choice == {"type": "function", "function": {"name": "f"}}
     assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}

@@ -142,6 +142,6 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
         "tool_choice": chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": response_format(req.text), "max_tokens": req.max_output_tokens,
     }
-    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "priority"):
         body[key] = getattr(req, key)
     return ChatCompletionRequest.model_validate(body)

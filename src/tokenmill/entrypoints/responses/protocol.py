@@ -31,6 +31,7 @@ class ResponsesRequest(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: Int64 | None = None
+    priority: Int64 | None = 0  # vLLM's extra field, as on chat: lower runs sooner (`--scheduling-policy priority`)
     stream: bool | None = False
     store: bool | None = True
     previous_response_id: str | None = None
