@@ -28,7 +28,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.step_stats import DASHBOARD_STATS, PrefixTreeSummary
 from tokenmill.errors import InvalidRequest
 from tokenmill.ipc.channels import DETOKENIZER, MAIN, SCHEDULER, IpcPaths, Receiver, Sender, Undecodable
-from tokenmill.ipc.lifecycle import child_process_setup, parent_alive
+from tokenmill.ipc.lifecycle import child_process_setup, parent_alive, startup_failure
 from tokenmill.ipc.messages import (
     AbortRequest,
     AddRequest,
@@ -37,7 +37,6 @@ from tokenmill.ipc.messages import (
     EmbeddingOutput,
     FinishRequest,
     Logprob,
-    ProcessFailed,
     RequestFailed,
     SchedulerReady,
     SchedulerStats,
@@ -253,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             supports_prompt_logprobs=loop.supports_prompt_logprobs,
         ))
     except Exception as exc:
-        logger.exception("scheduler start-up failed")
-        to_main.send(ProcessFailed(name, f"{type(exc).__name__}: {exc}"))
+        to_main.send(startup_failure(logger, name, exc))
         time.sleep(0.5)  # LINGER is 0: give the message a moment to leave before the socket dies
         return 1
     try:

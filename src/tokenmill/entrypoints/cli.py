@@ -10,7 +10,7 @@ import sys
 
 from tokenmill.config import LOAD_BALANCE_METHODS, DataParallelConfig, EngineConfig
 from tokenmill.entrypoints.engine_args import add_engine_args, byte_size, engine_kwargs
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import ModelLoadError, TokenmillError
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -87,6 +87,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.openai.api_server import ServerConfig, run_server
     from tokenmill.model.default_model import default_model_path
+    from tokenmill.model.preflight import check_model_path
 
     models = args.model or []
     if len(models) > 1 or args.models_dir or args.idle_unload_seconds is not None:
@@ -101,8 +102,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Validate the engine settings and find the model here, so mistakes fail before anything starts.
     engine = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))
     model_path = model or default_model_path()
-    if not os.path.exists(model_path):
-        print(f"error: no model at {model_path}", file=sys.stderr)
+    try:  # a path that is plainly not a model fails here, in one line, before any process starts
+        check_model_path(model_path)
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.data_parallel_size > 1 and (engine.master_port or engine.nnodes > 1):
         # Every replica's scheduler is rank 0 of its own TP group on its own port, on this machine.

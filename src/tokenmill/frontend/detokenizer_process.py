@@ -27,14 +27,13 @@ from tokenmill.engine.memory_trim import malloc_trim
 from tokenmill.frontend.output_state import RequestOutputState
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.ipc.channels import DETOKENIZER, MAIN, SCHEDULER, IpcPaths, Receiver, Sender
-from tokenmill.ipc.lifecycle import child_process_setup, parent_alive
+from tokenmill.ipc.lifecycle import child_process_setup, parent_alive, startup_failure
 from tokenmill.ipc.messages import (
     AbortRequest,
     DetokenizeRequest,
     DetokenizerReady,
     FinishRequest,
     Logprob,
-    ProcessFailed,
     RequestFailed,
     TextBatch,
     TextOutput,
@@ -183,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         to_scheduler = Sender(ctx, paths.address(SCHEDULER))
         to_main.send(DetokenizerReady())
     except Exception as exc:
-        logger.exception("detokenizer start-up failed")
-        to_main.send(ProcessFailed("detokenizer", f"{type(exc).__name__}: {exc}"))
+        to_main.send(startup_failure(logger, "detokenizer", exc))
         time.sleep(0.5)  # LINGER is 0: give the message a moment to leave
         return 1
     try:

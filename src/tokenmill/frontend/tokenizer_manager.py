@@ -96,6 +96,11 @@ class _SeqState:
         self.first_time: float | None = None  # the first output's arrival
 
 
+def _ignore_result(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
 def child_params(params: SamplingParams, k: int, all_prompt_logprobs: bool = False) -> SamplingParams:
     """Sample k of n, as the offline API does it: seed + k, so samples differ yet stay reproducible;
     prompt logprobs belong to the prompt, so only sample 0 computes them (unless every sample needs
@@ -152,8 +157,19 @@ class TokenizerManager:
         model = os.path.abspath(os.path.expanduser(self.model_path))
         try:
             # Built in a child process (transformers imports torch; this process stays torch-free), which
-            # also hands it to the detokenizers.
-            files = await asyncio.to_thread(export_tokenizer, model, self.tokenizer_file, niceness)
+            # also hands it to the detokenizers. A scheduler that fails meanwhile (a bad model file)
+            # ends the wait: its reason is the one to report, not the export's.
+            export = asyncio.ensure_future(asyncio.to_thread(export_tokenizer, model, self.tokenizer_file, niceness))
+            failed = asyncio.ensure_future(self._startup_failed.wait())
+            try:
+                await asyncio.wait({export, failed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when stopped by a signal meanwhile
+                failed.cancel()
+                if not export.done():  # the child ends by itself; nobody waits for it
+                    export.add_done_callback(_ignore_result)
+            if not export.done():
+                return False
+            files = export.result()
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_files, files)
             malloc_trim()  # parsing it leaves ~30 MB of freed heap resident (docs/benchmarks.md)
             if self.chat_template is not None:
@@ -173,6 +189,7 @@ class TokenizerManager:
         failed.cancel()
         if self.status is ServerStatus.UNHEALTHY:
             ready.cancel()
+            await asyncio.gather(ready, return_exceptions=True)  # retrieved: no "never retrieved" log
             return False
         assert self.limits is not None
         logger.info("scheduler ready: model %s, context %d tokens, vocabulary %d, KV %d tokens",
@@ -192,8 +209,9 @@ class TokenizerManager:
             return
         if self.status is not ServerStatus.UNHEALTHY:
             logger.error("server unhealthy: %s", reason)
+            # The first reason is the cause; later ones (a process exiting because of it) are effects.
+            self.unhealthy_reason = reason
         self.status = ServerStatus.UNHEALTHY
-        self.unhealthy_reason = reason
         self._startup_failed.set()
         for rid in list(self._states):
             self._fail(rid, RequestError(f"request ended: {reason}", 503, code="server_unhealthy"))

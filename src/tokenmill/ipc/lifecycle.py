@@ -17,6 +17,9 @@ import signal
 import sys
 from types import FrameType
 
+from tokenmill.errors import TokenmillError
+from tokenmill.ipc.messages import ProcessFailed
+
 _PR_SET_PDEATHSIG = 1
 _parent_pid: int | None = None
 
@@ -44,3 +47,14 @@ def parent_alive() -> bool:
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
+
+
+def startup_failure(log: logging.Logger, process: str, exc: BaseException) -> ProcessFailed:
+    """The message a child sends its parent when it cannot start. A TokenmillError (a model file that
+    cannot load, a bad setting: the user's to fix) is logged as one line; anything else, a bug, with
+    its traceback."""
+    if isinstance(exc, TokenmillError):
+        log.error("%s start-up failed: %s", process, exc)
+        return ProcessFailed(process, str(exc))
+    log.exception("%s start-up failed", process)
+    return ProcessFailed(process, f"{type(exc).__name__}: {exc}")
