@@ -53,3 +53,22 @@ def test_chat_streams_replies_and_keeps_the_conversation(monkeypatch, capsys):
     assert out.count(">>> ") == 3  # two turns answered, then /bye
     replies = [part.split("\n")[0] for part in out.split(">>> ")[1:3]]
     assert all(r.strip() for r in replies)
+
+
+def test_chat_survives_a_message_it_cannot_run(monkeypatch, capsys):
+    too_long = "word " * 9000  # past the 8,192-token context: refused, not added to the conversation
+    lines = [too_long, "caf\udce9", "/help", "What is 2+2?", "/bye"]  # \udce9: a Latin-1 byte, as Python escapes it
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["chat", "--temperature", "0", "--max-tokens", "24", *ENGINE]) == 0
+    turns = capsys.readouterr().out.split(">>> ")[1:]
+    assert "error:" in turns[0] and "context length" in turns[0] and "was not added" in turns[0]
+    assert "error: the text is not valid Unicode" in turns[1]
+    assert turns[2].startswith("unknown command /help")
+    assert turns[3].strip() and "error" not in turns[3]  # answered, with neither refused message before it
+    assert len(turns) == 5
+
+
+def test_serve_refuses_a_port_out_of_range(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--port", "70000"])
+    assert exit_.value.code == 2 and "must be 0-65535" in capsys.readouterr().err

@@ -58,3 +58,10 @@ def test_flag_takes_a_file_or_inline_jinja(tmp_path):
     with pytest.raises(SystemExit) as info:  # the CLI refuses it before anything starts
         main(["serve", "--chat-template", "missing/template.jinja"])
     assert info.value.code == 2
+    # A file is parsed at start too: it once passed, and every chat request got a 400 blaming the model.
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% if %}", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"broken\.jinja'?: the template does not parse \(line 1\)"):
+        load_chat_template(str(broken))
+    with pytest.raises(ValueError, match="is a folder"):
+        load_chat_template(str(tmp_path))

@@ -7,7 +7,6 @@ benchmark re-measures the matmul ceilings next to the engines it times (docs/ben
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
 import os
@@ -33,18 +32,6 @@ FIRST_ORDINARY_TOKEN = 100
 RECORDED_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KMP_BLOCKTIME",
               "TOKENMILL_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
               "TOKENMILL_HUGE_PAGES")
-
-
-def at_least(minimum: int):
-    """An argparse type: an integer of at least `minimum`, else a clear usage error."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 @dataclass(frozen=True)

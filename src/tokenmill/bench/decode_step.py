@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tokenmill.bench.arg_types import at_least
+
 BARRIER_KINDS = {"omp": 0, "spin": 1}
 
 
@@ -38,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a GGUF file (or folder) whose decode steps run the fused call")
     p.add_argument("--context", type=int, default=300, help="tokens in the KV cache before the timed step")
     p.add_argument("--num-threads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=50, help="calls a block")
+    p.add_argument("--steps", type=at_least(1), default=50, help="calls a block")
     p.add_argument("--blocks", type=int, default=7)
     p.add_argument("--barriers", default="omp",
                    help="comma-separated kinds to alternate: omp, spin, or spin:US (a spin budget of its own)")

@@ -18,7 +18,8 @@ import tempfile
 import time
 from typing import Any
 
-from tokenmill.bench.common import at_least, run_settings
+from tokenmill.bench.arg_types import at_least
+from tokenmill.bench.common import run_settings
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 

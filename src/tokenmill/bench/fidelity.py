@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.bench.common import at_least
+from tokenmill.bench.arg_types import at_least
 from tokenmill.errors import InvalidRequest
 
 # The token budget a step of the "chunked" run (and at most that of the "preempted" one): a

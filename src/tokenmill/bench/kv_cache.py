@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.bench.common import at_least
+from tokenmill.bench.arg_types import at_least
 from tokenmill.model import cpu_attention_kernel as kernel
 from tokenmill.model.kv_cache_format import KVCacheFormat, rotate
 

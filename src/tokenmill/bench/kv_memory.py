@@ -18,7 +18,7 @@ import random
 import time
 from typing import Any
 
-from tokenmill.bench.common import at_least
+from tokenmill.bench.arg_types import at_least
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 

@@ -21,8 +21,8 @@ import sys
 import time
 from typing import Any
 
+from tokenmill.bench.arg_types import at_least
 from tokenmill.bench.common import (
-    at_least,
     fast_gemm_dtype,
     make_workload,
     matmul_ceilings,
@@ -68,8 +68,10 @@ def add_latency_parser(subparsers: Any) -> None:
 
 def cmd_latency(args: argparse.Namespace) -> int:
     from tokenmill.model.default_model import default_model_path
+    from tokenmill.model.preflight import check_model_path
 
     model_path = os.path.abspath(os.path.expanduser(args.model)) if args.model else default_model_path()
+    check_model_path(model_path)  # the bytes line below reads the file before any engine loads it
     llama_bench = None
     if args.peer == "llama.cpp":
         # Both checks before loading anything: a missing peer should cost seconds, not a model load.

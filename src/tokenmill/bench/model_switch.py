@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from tokenmill.bench.arg_types import at_least
 from tokenmill.bench.server_launch import launch_server
 from tokenmill.bench.tokenizer_stall import percentiles
 
@@ -154,7 +155,7 @@ def add_model_switch_parser(sub: argparse._SubParsersAction) -> None:
                                             "and an unloaded model's first-request latency vs its load time")
     p.add_argument("--model-a", default=None, help="the streamed model (default: the bundled SmolLM2)")
     p.add_argument("--model-b", default=None, help="the model loaded meanwhile (default: model A's file again)")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=at_least(1), default=2)
     p.add_argument("--output-tokens", type=int, default=256, help="length of each stream to A")
     p.add_argument("--b-tokens", type=int, default=16, help="tokens B's request generates")
     p.add_argument("--baseline-seconds", type=float, default=15.0, help="how long A is streamed without a load")

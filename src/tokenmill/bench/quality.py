@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.bench.common import at_least
+from tokenmill.bench.arg_types import at_least
 from tokenmill.config import KV_CACHE_DTYPES, PRECISIONS, PROMPT_GEMMS, EngineConfig
 
 # The bounds: Q4_1 weights are the same numbers in both paths and only activation precision

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.common import at_least, run_settings
+from tokenmill.bench.arg_types import at_least
+from tokenmill.bench.common import run_settings
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 DEFAULT_DATASET = Path(__file__).resolve().parents[3] / "tests" / "data" / "spec_workload.jsonl"

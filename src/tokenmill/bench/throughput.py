@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from tokenmill.bench.arg_types import at_least
 from tokenmill.bench.common import (
     BenchRequest,
     RunResult,
-    at_least,
     fast_gemm_dtype,
     format_table,
     make_workload,

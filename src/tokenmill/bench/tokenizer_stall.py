@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from tokenmill.bench.arg_types import at_least
 from tokenmill.bench.server_launch import launch_server
 
 WORDS = ["river", "mill", "quiet", "stone", "bread", "market", "winter", "lantern", "harbour", "orchard",
@@ -145,7 +146,7 @@ def add_tokenizer_stall_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tokenizer-stall", help="stream + /health latency while ~100k-token prompts arrive, "
                                                "per --tokenizer-workers setting")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="--tokenizer-workers settings")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=at_least(1), default=2)
     p.add_argument("--num-threads", type=int, default=1, help="the server's scheduler threads")
     p.add_argument("--output-tokens", type=int, default=200, help="length of the measured stream")
     p.add_argument("--huge-tokens", type=int, default=100_000)

@@ -69,19 +69,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line.strip() == "/clear":
             messages = messages[:1] if args.system else []
             continue
+        if line.strip().startswith("/") and " " not in line.strip():
+            print(f"unknown command {line.strip()}: /bye, /exit, /quit and /clear are the commands")
+            continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
-        prompt = {"prompt_token_ids": llm.chat_prompt_ids(messages)}
+        turn = [*messages, {"role": "user", "content": line}]
         reply = []
         try:
+            prompt = {"prompt_token_ids": llm.chat_prompt_ids(turn)}
             for piece in llm.stream(prompt, params):
                 reply.append(piece)
                 print(piece, end="", flush=True)
         except KeyboardInterrupt:
             pass  # stop this reply; the stream's cleanup aborts the request
+        except TokenmillError as exc:  # this message cannot run (too long, ...): the conversation goes on
+            print(f"\nerror: {exc} (the message was not added; /clear starts over)")
+            continue
         print()
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        messages = [*turn, {"role": "assistant", "content": "".join(reply)}]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -173,6 +179,16 @@ def _serve_models(args: argparse.Namespace) -> int:
         return 0
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer port, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535, got {port}")
+    return port
+
+
 def _chat_template_text(value: str) -> str:
     from tokenmill.frontend.chat_template import load_chat_template
 
@@ -227,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, metrics, health)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $TOKENMILL_API_KEY, else none)")

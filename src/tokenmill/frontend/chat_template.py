@@ -40,16 +40,23 @@ _TESTS_STRING = re.compile(r"\bis\s+string\b")
 def load_chat_template(value: str) -> str:
     """`--chat-template`'s argument (vLLM's rule): a file's text, or the argument itself when it
     looks like a template; a name that looks like a path to a missing file is an error."""
-    if os.path.isfile(os.path.expanduser(value)):
-        with open(os.path.expanduser(value), encoding="utf-8") as f:
-            return f.read()
-    if any(c in value for c in "{}\n"):
-        try:
-            _compile(value)  # a syntax error now, not at the first request
-        except InvalidRequest as exc:
-            raise ValueError(f"--chat-template: {exc}") from None
-        return value
-    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
+    path = os.path.expanduser(value)
+    if os.path.isdir(path):
+        raise ValueError(f"--chat-template {value!r} is a folder; give a template file or the template itself")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        where = f"--chat-template {value!r}"
+    elif any(c in value for c in "{}\n"):
+        text, where = value, "--chat-template"
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
+    try:
+        _compile(text)  # a syntax error now, not as a 400 blaming the model at the first request
+    except InvalidRequest as exc:
+        problem = str(exc).replace("the model's chat template", "the template")
+        raise ValueError(f"{where}: {problem}") from None
+    return text
 
 
 def render_chat_template(
