@@ -134,11 +134,72 @@ def test_bad_requests_are_rejected_and_leave_the_engine_working(llm):
     assert llm.generate("hi", greedy(2))[0].outputs[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize(
+    ("call", "param"),
+    [
+        (lambda llm: llm.generate(5), "prompts"),
+        (lambda llm: llm.generate("hi", {"temperature": 0}), "sampling_params"),
+        (lambda llm: llm.generate({"prompt_token_ids": [504.9, 3575.2]}), "prompt_token_ids"),
+        (lambda llm: llm.generate({"prompt_token_ids": [True, 3575]}), "prompt_token_ids"),
+        (lambda llm: llm.generate({"prompt": None}), "prompt"),
+        (lambda llm: llm.generate("caf\udce9"), "prompt"),  # a byte that was not UTF-8, as Python escapes it
+        (lambda llm: llm.chat([{"role": "user", "content": "hi \ud800"}]), "prompt"),
+    ],
+)
+def test_inputs_of_the_wrong_kind_are_refused_naming_them(llm, call, param):
+    with pytest.raises(InvalidRequest) as err:
+        call(llm)
+    assert err.value.param == param
+    assert llm.stats()["kv_pages_in_use"] == 0
+
+
+def test_two_threads_share_one_llm_one_call_at_a_time(llm):
+    import threading
+
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, greedy(6, ignore_eos=True))]
+    got: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def call(i: int) -> None:
+        try:
+            got[i] = llm.generate(prompts[i], greedy(6, ignore_eos=True))[0].outputs[0].text
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and [got[0], got[1]] == expected
+    # Inside an unfinished stream, this thread's next call would wait for itself: refused instead.
+    stream = llm.stream("Once upon a time", greedy(8, ignore_eos=True))
+    next(stream)
+    with pytest.raises(RuntimeError, match="already inside a call"):
+        llm.generate("hi", greedy(2))
+    stream.close()
+    assert llm.stats()["kv_pages_in_use"] == 0 and llm.generate("hi", greedy(2))[0].outputs[0].text
+
+
+def test_a_shut_down_llm_says_so():
+    llm = make_llm(kv_cache_tokens=256)
+    with llm:
+        assert llm.generate("hi", greedy(2))[0].outputs[0].text
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate("hi", greedy(2))
+
+
 def test_bad_engine_arguments_and_model_paths(tmp_path):
     with pytest.raises(InvalidRequest, match="kv_cache_tokens"):
         make_llm(kv_cache_tokens=0)
     with pytest.raises(InvalidRequest, match="unknown engine argument"):
         make_llm(kv_cache_token=10)
+    for name, value in (("num_threads", -1), ("num_threads", 1.5), ("max_model_len", 2.5), ("seed", "x")):
+        with pytest.raises(InvalidRequest, match=name):
+            make_llm(**{name: value})
+    with pytest.raises(InvalidRequest, match="kv_cache_dir .* is not a folder"):
+        make_llm(kv_cache_dir=__file__)
     missing = tmp_path / "nope.gguf"
     with pytest.raises(ModelLoadError, match="nope.gguf"):
         make_llm(model=str(missing))

@@ -208,9 +208,15 @@ class EngineConfig:
         if not isinstance(self.kv_cache_disk_bytes, int) or self.kv_cache_disk_bytes < 1:
             raise InvalidRequest(f"kv_cache_disk_bytes must be an integer >= 1, got {self.kv_cache_disk_bytes!r}",
                                  param="kv_cache_disk_bytes")
+        if self.num_threads is not None and (not _is_int(self.num_threads) or self.num_threads < 1):
+            raise InvalidRequest(f"num_threads must be an integer >= 1 (or left out: every core), got "
+                                 f"{self.num_threads!r}", param="num_threads")
+        if not _is_int(self.seed):
+            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}", param="seed")
         if self.kv_cache_dir is not None:
             if not isinstance(self.kv_cache_dir, str) or not self.kv_cache_dir:
                 raise InvalidRequest("kv_cache_dir must be a folder's path", param="kv_cache_dir")
+            _check_writable_folder(self.kv_cache_dir)
             if not self.enable_prefix_caching:
                 raise InvalidRequest("kv_cache_dir extends the prefix cache, which is off (--no-prefix-caching)",
                                      param="kv_cache_dir")
@@ -224,8 +230,9 @@ class EngineConfig:
             raise InvalidRequest("enable_prefix_caching must be true or false", param="enable_prefix_caching")
         # A dict (from JSON between processes, or LLM(speculative={...})) becomes the config here.
         object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative))
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise InvalidRequest("max_model_len must be >= 1", param="max_model_len")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+            raise InvalidRequest(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}",
+                                 param="max_model_len")
         self._check_tensor_parallel()
 
     def _check_kv_cache_dtype(self) -> None:
@@ -271,3 +278,21 @@ class EngineConfig:
         if unknown:
             raise InvalidRequest(f"unknown engine argument(s): {', '.join(unknown)}", param=unknown[0])
         return cls(**kwargs)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_writable_folder(path: str) -> None:
+    """kv_cache_dir: a folder that exists, or can be made, and can be written (checked before any process
+    starts; the disk tier itself makes it)."""
+    folder = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise InvalidRequest(f"kv_cache_dir {path} is not a folder", param="kv_cache_dir")
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise InvalidRequest(f"kv_cache_dir {path} cannot be written ({existing} is not a writable folder)",
+                             param="kv_cache_dir")

@@ -27,6 +27,7 @@ BAD = [
     ("n", 0),
     ("n", -1),
     ("n", True),
+    ("n", 10**9),  # each sample is an engine request: this once queued for minutes without a word
     ("logprobs", 21),
     ("logprobs", -1),
     ("prompt_logprobs", 21),

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from tokenmill.config import DataParallelConfig, EngineConfig
+from tokenmill.entrypoints.llm_calls import CallGuard
 from tokenmill.entrypoints.llm_in_process import InProcessLLM, PromptType, _as_prompt_list
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.outputs import RequestOutput
@@ -48,6 +49,7 @@ class DataParallelEngines(InProcessLLM):
         self.replicas = [ProcessPoolExecutor(1, mp_context=context) for _ in range(data_parallel_size)]
         self.tokenizer = Tokenizer.from_model_path(model or default_model_path())
         self._ids = itertools.count()
+        self._calls = CallGuard()
         try:
             self._on_all("stats")  # every replica loads its engine now, all at once
         except BaseException:
@@ -78,6 +80,8 @@ class DataParallelEngines(InProcessLLM):
               pooling_params: PoolingParams | None = None) -> list[list[float]]:
         """LLM.embed across replicas: every replica embeds every N-th prompt; vectors in the caller's order."""
         items = _as_prompt_list(prompts)
+        if self._calls.closed:
+            raise RuntimeError("this LLM was shut down; create a new one")
         n = len(self.replicas)
         futures = [replica.submit(_on_replica, *self._start, "embed", items[r::n], pooling_params)
                    for r, replica in enumerate(self.replicas) if items[r::n]]
@@ -106,6 +110,7 @@ class DataParallelEngines(InProcessLLM):
         return all(self._on_all("reset_prefix_cache"))
 
     def shutdown(self) -> None:
+        self._calls.closed = True
         for replica in self.replicas:
             replica.shutdown(wait=True, cancel_futures=True)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +21,7 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.factory import build_engine_core
 from tokenmill.engine.memory_trim import malloc_trim
 from tokenmill.engine.request import RequestStatus
+from tokenmill.entrypoints.llm_calls import CallGuard
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.output_state import RequestOutputState
 from tokenmill.frontend.outputs import CompletionOutput, RequestOutput
@@ -46,6 +48,7 @@ class InProcessLLM:
         # (docs/benchmarks.md, "Resident memory of LLM(file) without transformers").
         malloc_trim()
         self._ids = itertools.count()
+        self._calls = CallGuard()
 
     # ---- public API ----------------------------------------------------------------------------
     def generate(
@@ -61,7 +64,8 @@ class InProcessLLM:
             text, ids = self._tokenize(prompt)
             results.append(RequestOutput(str(next(self._ids)), text, ids))
         show = use_tqdm if use_tqdm is not None else len(prompt_list) >= PROGRESS_BAR_MIN_PROMPTS
-        self._run(results, params_list, show)
+        with self._calls.call():
+            self._run(results, params_list, show)
         return results
 
     def chat(
@@ -100,16 +104,13 @@ class InProcessLLM:
         ids = [self._tokenize(p)[1] for p in _as_prompt_list(prompts)]
         rids = [f"embed-{next(self._ids)}" for _ in ids]
         vectors: dict[str, list[float]] = {}
-        try:
+        with self._calls.call(), _aborting(self.engine, rids):
             for rid, prompt_ids in zip(rids, ids):
                 self.engine.add_request(rid, prompt_ids, params)
             while len(vectors) < len(rids):
                 for out in self.engine.step():
                     if out.embedding is not None:
                         vectors[out.request_id] = out.embedding.tolist()
-        finally:
-            for rid in rids:  # an exception mid-run must not leave requests holding KV pages
-                self.engine.abort_request(rid)
         return [vectors[rid] for rid in rids]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
@@ -117,9 +118,9 @@ class InProcessLLM:
         params = replace(sampling_params or SamplingParams(), output_kind=OutputKind.DELTA, n=1)
         text, ids = self._tokenize(prompt)
         request_id = f"stream-{next(self._ids)}"
-        self.engine.add_request(request_id, ids, params)
-        state = RequestOutputState(request_id, self.tokenizer, ids, params)
-        try:
+        with self._calls.call(), _aborting(self.engine, [request_id]):
+            self.engine.add_request(request_id, ids, params)
+            state = RequestOutputState(request_id, self.tokenizer, ids, params)
             while True:
                 for out in self.engine.step():
                     delta = self._apply(state, out)
@@ -127,8 +128,6 @@ class InProcessLLM:
                         yield delta.text
                     if delta is not None and delta.finished:
                         return
-        finally:
-            self.engine.abort_request(request_id)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
@@ -143,7 +142,8 @@ class InProcessLLM:
     # ---- internals -------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stops the engine's other tensor-parallel ranks (nothing to do on one rank); also on `with`
-        exit. Without it they stop when this process exits."""
+        exit. Without it they stop when this process exits. Later calls raise RuntimeError."""
+        self._calls.closed = True
         self.engine.shutdown()
 
     def __enter__(self) -> InProcessLLM:
@@ -157,11 +157,14 @@ class InProcessLLM:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+                    raise InvalidRequest("prompt_token_ids must be a list of integer token ids", param="prompt_token_ids")
+                return prompt.get("prompt"), list(ids)
             if "prompt" in prompt:
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
             raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
             return None, list(prompt)
         raise InvalidRequest(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
 
@@ -232,11 +235,29 @@ class InProcessLLM:
         return delta
 
 
+@contextmanager
+def _aborting(engine: EngineCore, request_ids: list[str]) -> Iterator[None]:
+    """Aborts the requests on the way out: an exception (or a stream left unread) mid-run must not
+    leave requests holding KV pages."""
+    try:
+        yield
+    finally:
+        for rid in request_ids:
+            engine.abort_request(rid)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+    if isinstance(prompts, list) and prompts and all(_is_int(t) for t in prompts):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidRequest(f"prompts must be a string, a list of token ids, a dict or a list of those, got "
+                             f"{type(prompts).__name__}", param="prompts")
     if not prompts:
         raise InvalidRequest("no prompts given", param="prompts")
     return list(prompts)
@@ -247,6 +268,9 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, co
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise InvalidRequest(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}",
+                             param="sampling_params")
     if len(params) != count:
         raise InvalidRequest(f"got {len(params)} sampling params for {count} prompts", param="sampling_params")
     return list(params)

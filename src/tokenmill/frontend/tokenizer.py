@@ -18,6 +18,7 @@ from typing import Any
 
 import tokenizers
 
+from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.chat_template import render_chat_template
 from tokenmill.frontend.length_bound import max_chars_per_token, min_token_count
 from tokenmill.model.tokenizer_export import load as load_tokenizer
@@ -67,7 +68,17 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids for `text`. add_special_tokens applies the model's own rule (e.g. prepend BOS or not)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the library's "TextInputSequence must be str": say what is wrong instead
+            if not isinstance(text, str):
+                raise InvalidRequest(f"a prompt must be text, got {type(text).__name__}", param="prompt") from None
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8, escaped by Python
+                raise InvalidRequest(f"the text is not valid Unicode: it holds {text[exc.start]!r} (bytes that are "
+                                     "not UTF-8?)", param="prompt") from None
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -31,6 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.errors import InvalidRequest
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"TMKVPAGE1\n"
@@ -63,7 +65,11 @@ class DiskTier:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidRequest(f"kv_cache_dir {self.folder} cannot be made: {exc.strerror}",
+                                 param="kv_cache_dir") from exc
         self.max_bytes = max_bytes
         self.layout = layout.encode()
         self.page_bytes = page_bytes

@@ -65,6 +65,10 @@ def build_model(
     source = loaded.source
     mc = loaded.config
     max_len = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    if max_model_len is not None and max_model_len > mc.max_position_embeddings:
+        # Positions past what the model was trained on give garbage: served at the model's own length.
+        logger.warning("max_model_len %d is more than the model's context length %d: using %d",
+                       max_model_len, mc.max_position_embeddings, max_len)
     policy = LayerPolicy(precision, quantization, bf16_min_rows, prompt_gemm)
     weights, layer_config = loaded.weights, mc
     if shard is not None:

@@ -96,13 +96,16 @@ def export(model: str, path: str, niceness: int = 0) -> TokenizerFiles:
     if kept is not None:
         try:
             files = read(str(kept), model)
+        except Exception as exc:  # truncated, not JSON, not a tokenizer: build it again
+            logger.warning("the kept tokenizer %s cannot be read (%s); building it again", kept, exc)
+            tokenizer_cache.drop(name)
+        else:
+            # A failure here is the destination's (its folder removed by a server that gave up): the
+            # kept build is fine and stays.
             partial = f"{path}.{os.getpid()}.partial"
             shutil.copyfile(kept, partial)
             os.replace(partial, path)  # atomic: the detokenizers wait for this name
             return files
-        except Exception as exc:  # truncated, not JSON, not a tokenizer: build it again
-            logger.warning("the kept tokenizer %s cannot be read (%s); building it again", kept, exc)
-            tokenizer_cache.drop(name)
     cmd = [sys.executable, "-m", __name__, model, path]
     nice = shutil.which("nice") if niceness else None
     # stderr is inherited: the build's own warnings belong in the server's log.

@@ -20,6 +20,11 @@ class OutputKind(enum.Enum):
     FINAL_ONLY = "final_only"  # one output when the request finishes
 
 
+# Each of n samples is an engine request: n = 10**9 once queued requests for minutes without a word.
+# The HTTP API allows OpenAI's 128 (entrypoints/openai/params.py); offline, more than this is a mistake.
+MAX_SAMPLES = 1024
+
+
 @dataclass(frozen=True)
 class StructuredOutputParams:
     """Exactly one constraint; the engine compiles it to a grammar (sample/grammar.py).
@@ -126,8 +131,8 @@ class SamplingParams:
         def bad(param: str, why: str) -> InvalidRequest:
             return InvalidRequest(f"{param} {why}", param=param)
 
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+            raise bad("n", f"must be an integer from 1 to {MAX_SAMPLES}, got {self.n!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
