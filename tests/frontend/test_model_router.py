@@ -89,6 +89,20 @@ def test_memory_bound_unloads_least_recently_used_until_it_fits():
     assert ModelRouter([loaded("x", 1.0), y]).evictions(y) == []  # no bound: everything stays
 
 
+def test_trim_to_memory_after_a_load_measured_more_than_its_estimate():
+    a, b, c = loaded("a", 1.0, 300 * MB), loaded("b", 2.0, 300 * MB, in_flight=1), loaded("c", 3.0, 300 * MB)
+    new = loaded("new", 4.0, 600 * MB)  # admitted on its size on disk, measured bigger once loaded
+    router = ModelRouter([a, b, c, new], max_memory=1000 * MB)
+    assert router.trim_to_memory(new) == ([a, c], True)  # 1500 -> 900: LRU idle first, b is busy
+    new.memory_bytes = 800 * MB
+    assert router.trim_to_memory(new) == ([a, c], False)  # 1100 even so: the caller warns
+    new.memory_bytes = 100 * MB
+    assert router.trim_to_memory(new) == ([], True)
+    assert ModelRouter([a, new]).trim_to_memory(new) == ([], True)  # no bound
+    new.memory_bytes, new.in_flight = 2000 * MB, 0
+    assert new not in router.trim_to_memory(new).victims  # never the model just loaded, idle or not
+
+
 def test_requests_in_flight_protect_and_idle_expiry():
     a, b = loaded("a", 0.0), loaded("b", 0.0)
     router = ModelRouter([a, b], idle_unload_s=10.0)

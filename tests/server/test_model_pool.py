@@ -143,6 +143,29 @@ def test_a_remembered_failure_expires(tmp_path):
     assert failures.recall("a", None, 0.0) is None
 
 
+def test_max_memory_holds_once_the_real_footprint_is_measured(caplog):
+    # Each fake model is admitted on a 0-byte estimate (its size on disk) and measures 100 once loaded.
+    async def trims(pool, e):
+        for name in ("a", "b"):
+            await pool.acquire(e[name])
+            pool.release(e[name])
+        await pool.acquire(e["a"])  # a busy: b is now the least recently used idle one
+        await pool.acquire(e["c"])  # 300 > 250: b goes, never a (in flight) nor c (just loaded)
+        await asyncio.sleep(0.05)
+        assert [x.state for x in e.values()] == [ModelState.LOADED, ModelState.UNLOADED, ModelState.LOADED]
+
+    async def warns(pool, e):
+        await pool.acquire(e["a"])
+        await pool.acquire(e["b"])  # 200 > 150 and a is busy: nothing to unload, one warning says so
+        assert e["a"].state is e["b"].state is ModelState.LOADED
+
+    with caplog.at_level("INFO", logger="tokenmill.entrypoints.openai.model_pool"):
+        run(trims, max_memory=250)
+        assert "unloading model b: with c loaded" in caplog.text and "over --max-memory" not in caplog.text
+        run(warns, max_memory=150)
+        assert caplog.text.count("over --max-memory") == 1
+
+
 def test_idle_timeout_and_keep_alive_unload():
     async def body(pool, e):
         await pool.acquire(e["a"])

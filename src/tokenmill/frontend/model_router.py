@@ -8,6 +8,12 @@ every rule is unit-tested alone; entrypoints/openai/model_pool.py owns the proce
   `max_memory` (bytes: each model's measured footprint, or its estimate before its first load):
   least recently used first, and never a model with requests in flight or still loading. When
   nothing idle is left to unload, the load waits (the caller retries when a request finishes).
+- Before its first load a model's footprint is only its size on disk, and the real one is larger
+  (KV pool, dequantized weights: ~2.7x for a Q4 Gemma-3). So once a load has measured it, if the
+  resident total exceeds `max_memory`, idle loaded models unload, least recently used first, until
+  it fits (`trim_to_memory`); never one with requests in flight, still loading, or the one just
+  loaded. If nothing idle is left and it still does not fit, the pool logs a warning and serves on:
+  the bound is then exceeded until a busy model goes idle and a later load trims again.
 - An idle model unloads `idle_unload_s` after its last request finished, or at the deadline its
   last request's Ollama `keep_alive` set (0: as soon as that request finishes; negative: never).
 """
@@ -18,6 +24,7 @@ import enum
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tokenmill.model.gguf_parts import all_parts, default_model_name, is_later_part
 
@@ -88,6 +95,13 @@ def keep_alive_seconds(value: object) -> float | None:
     raise ValueError(f"keep_alive must be a number of seconds or a duration like '5m', got {value!r}")
 
 
+class Trim(NamedTuple):
+    """What `trim_to_memory` decided: the models to unload, and whether the rest then fits."""
+
+    victims: list[ModelEntry]
+    fits: bool
+
+
 class ModelRouter:
     """The table of models and the load/unload policy over it."""
 
@@ -147,6 +161,21 @@ class ModelRouter:
                 return None
             chosen.append(idle.pop(0))
         return chosen
+
+    def trim_to_memory(self, keep: ModelEntry) -> Trim:
+        """After `keep` loaded and its footprint was measured: the idle loaded models to unload (least
+        recently used first) so that the resident total fits max_memory, and whether it then does."""
+        if self.max_memory is None:
+            return Trim([], True)
+        resident = self.resident()
+        total = sum(e.memory_bytes for e in resident)
+        idle = sorted((e for e in resident if e is not keep and self._evictable(e)), key=lambda e: e.last_used)
+        victims = []
+        while total > self.max_memory and idle:
+            victim = idle.pop(0)
+            victims.append(victim)
+            total -= victim.memory_bytes
+        return Trim(victims, total <= self.max_memory)
 
     def _fits(self, want: ModelEntry, staying: Iterable[ModelEntry]) -> bool:
         staying = list(staying)

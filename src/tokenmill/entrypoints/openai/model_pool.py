@@ -223,6 +223,7 @@ class ModelPool:
             entry.state = ModelState.LOADED
             logger.info("loaded model %s in %.1f s (%.0f MiB resident)", entry.name, entry.load_seconds,
                         entry.memory_bytes / 2**20)
+            self._trim_to_memory(entry)
         except BaseException:
             if engine is not None:  # no half-started processes or sockets stay behind
                 self.engines.pop(entry.name, None)
@@ -272,6 +273,20 @@ class ModelPool:
             logger.info("unloading model %s to make room for %s", victim.name, entry.name)
             self._begin_unload(victim)
         await asyncio.gather(*(asyncio.shield(self._unloads[v.name]) for v in victims if v.name in self._unloads))
+
+    def _trim_to_memory(self, loaded: ModelEntry) -> None:
+        """The estimate it was admitted on was its size on disk: with its real footprint known, unload
+        idle models until the resident total fits --max-memory (model_router.py says the rule)."""
+        victims, fits = self.router.trim_to_memory(loaded)
+        for victim in victims:
+            logger.info("unloading model %s: with %s loaded (%.0f MiB measured) the resident total exceeds "
+                        "--max-memory", victim.name, loaded.name, loaded.memory_bytes / 2**20)
+            self._begin_unload(victim)
+        if not fits:
+            total = sum(e.memory_bytes for e in self.router.resident() if e not in victims)
+            logger.warning("the loaded models take %.0f MiB, over --max-memory (%.0f MiB), and no other model is idle "
+                           "to unload: the bound is exceeded until one is", total / 2**20,
+                           (self.router.max_memory or 0) / 2**20)
 
     def _begin_unload(self, entry: ModelEntry) -> None:
         """Marks it unloading at once (so no new request and no other load picks it), stops it in a task."""
