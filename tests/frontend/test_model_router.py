@@ -56,9 +56,20 @@ def test_keep_alive_and_memory_parsing():
     assert keep_alive_seconds(None) is None
     assert keep_alive_seconds(0) == 0 and keep_alive_seconds("0") == 0 and keep_alive_seconds(-1) == -1
     assert keep_alive_seconds("5m") == 300 and keep_alive_seconds("30s") == 30 and keep_alive_seconds("1.5h") == 5400
-    for bad in ("soon", True, [1]):
+    # Go's durations, as Ollama reads a string keep_alive (time.ParseDuration)
+    assert keep_alive_seconds("1h30m") == 5400 and keep_alive_seconds("2h45m30s") == 9930
+    assert keep_alive_seconds("300ms") == pytest.approx(0.3) and keep_alive_seconds("-1m") == -60
+    assert keep_alive_seconds("1m0.5s") == 60.5 and keep_alive_seconds("+.5h") == 1800 and keep_alive_seconds("-1") == -1
+    assert keep_alive_seconds("1.h.5m") == 3630  # Go accepts a point with no digits on one side
+    for bad in ("soon", True, [1], "", "h", ".s", "1h30", "5 m", "1d", "--1m"):
         with pytest.raises(ValueError, match="keep_alive"):
             keep_alive_seconds(bad)
+    for bad in ("nan", "inf", "-Infinity", float("nan"), float("inf"), "1e400"):
+        with pytest.raises(ValueError, match="keep_alive must be finite"):
+            keep_alive_seconds(bad)
+    # longer than any clock shows (Go's durations end at ~292 years): forever, as a negative one
+    assert keep_alive_seconds(1e12) == -1 and keep_alive_seconds(1e308) == -1 and keep_alive_seconds("1e12") == -1
+    assert keep_alive_seconds("9999999999h") == -1 and keep_alive_seconds(86400 * 365) == 86400 * 365
     assert parse_memory("8G") == 8 << 30 and parse_memory("512MiB") == 512 * MB and parse_memory("1000") == 1000
     with pytest.raises(ValueError):
         parse_memory("lots")

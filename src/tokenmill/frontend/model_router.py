@@ -15,17 +15,20 @@ every rule is unit-tested alone; entrypoints/openai/model_pool.py owns the proce
   loaded. If nothing idle is left and it still does not fit, the pool logs a warning and serves on:
   the bound is then exceeded until a busy model goes idle and a later load trims again.
 - An idle model unloads `idle_unload_s` after its last request finished, or at the deadline its
-  last request's Ollama `keep_alive` set (0: as soon as that request finishes; negative: never).
+  last request's Ollama `keep_alive` set (0: as soon as that request finishes; negative, or longer
+  than Go's durations reach, about 292 years: never).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tokenmill.frontend.go_duration import parse_go_duration
 from tokenmill.model.gguf_parts import all_parts, default_model_name, is_later_part
 
 
@@ -70,29 +73,34 @@ def parse_model_arg(text: str) -> tuple[str, str]:
     return model_name(text), text
 
 
+# Go's time.Duration maximum (about 292 years): Ollama's "forever". A keep_alive as long or longer
+# (1e12, 1e308) means forever too, rather than a deadline no clock can show (/api/ps's expires_at).
+MAX_KEEP_ALIVE_S = (2**63 - 1) / 1e9
+_KEEP_ALIVE_FORMS = "a number of seconds or a duration like '5m' or '1h30m'"
+
+
 def keep_alive_seconds(value: object) -> float | None:
-    """Ollama's keep_alive: seconds (a number) or a duration ("5m", "30s", "1h", "0"); negative: forever.
-    None when absent. Raises ValueError naming the problem on anything else."""
+    """Ollama's keep_alive: seconds (a number) or a Go duration ("5m", "1h30m", "300ms", "0");
+    negative or longer than Go can count: forever (-1). None when absent. Raises ValueError naming
+    keep_alive on anything else, NaN and infinity included."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"keep_alive must be a number of seconds or a duration like '5m', got {value!r}")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str):
         text = value.strip()
-        units = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-        for suffix in ("ms", "s", "m", "h"):
-            if text.endswith(suffix):
-                number, scale = text[: -len(suffix)], units[suffix]
-                break
-        else:
-            number, scale = text, 1.0
-        try:
-            return float(number) * scale
+        try:  # a bare number ("300", "-1"): seconds, as a JSON number is; "nan" and "inf" are refused below
+            seconds = float(text)
         except ValueError:
-            pass
-    raise ValueError(f"keep_alive must be a number of seconds or a duration like '5m', got {value!r}")
+            try:
+                seconds = parse_go_duration(text)
+            except ValueError:
+                raise ValueError(f"keep_alive must be {_KEEP_ALIVE_FORMS}, got {value!r}") from None
+    else:
+        raise ValueError(f"keep_alive must be {_KEEP_ALIVE_FORMS}, got {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"keep_alive must be finite: {_KEEP_ALIVE_FORMS}, got {value!r}")
+    return -1.0 if seconds >= MAX_KEEP_ALIVE_S else seconds
 
 
 class Trim(NamedTuple):

@@ -302,18 +302,24 @@ def install_model_routes(app: FastAPI, pool: ModelPool, auth: list[Any]) -> None
         running = []
         for entry in router.entries.values():
             if entry.state is ModelState.LOADED:
-                running.append({**ollama_card(entry).running(), "expires_at": _expires_at(entry, router.idle_unload_s),
+                running.append({**ollama_card(entry).running(), "expires_at": expires_at(entry, router.idle_unload_s),
                                 "size": entry.memory_bytes})
         return JSONResponse({"models": running})
 
 
-def _expires_at(entry: ModelEntry, idle_unload_s: float | None) -> str:
+FOREVER = "2318-08-13T00:00:00Z"  # what Ollama shows for a model kept loaded (keep_alive -1)
+
+
+def expires_at(entry: ModelEntry, idle_unload_s: float | None) -> str:
     """When an idle model would unload, on the wall clock (Ollama's expires_at); far away: never."""
     if entry.in_flight or (entry.unload_at is None and idle_unload_s is None) or entry.unload_at == float("inf"):
-        return "2318-08-13T00:00:00Z"
+        return FOREVER
     deadline = entry.unload_at if entry.unload_at is not None else entry.last_used + (idle_unload_s or 0.0)
     wall = time.time() + (deadline - time.monotonic())
-    return datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    try:
+        return datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    except (OverflowError, ValueError, OSError):  # past year 9999 or the platform's time_t: never, as far as a date goes
+        return FOREVER
 
 
 __all__ = ["PoolDrain", "RoutedState", "current_state", "install_model_routes"]
