@@ -71,8 +71,13 @@ def test_keep_alive_and_memory_parsing():
     assert keep_alive_seconds(1e12) == -1 and keep_alive_seconds(1e308) == -1 and keep_alive_seconds("1e12") == -1
     assert keep_alive_seconds("9999999999h") == -1 and keep_alive_seconds(86400 * 365) == 86400 * 365
     assert parse_memory("8G") == 8 << 30 and parse_memory("512MiB") == 512 * MB and parse_memory("1000") == 1000
+    assert parse_memory("1.5") == 1
     with pytest.raises(ValueError):
         parse_memory("lots")
+    for bad, problem in (("inf", "finite"), ("1e400", "finite"), ("-inf", "finite"), ("nan", "finite"),
+                         ("0.5", "at least one byte"), ("0", "at least one byte"), ("-1G", "at least one byte")):
+        with pytest.raises(ValueError, match=problem):
+            parse_memory(bad)
 
 
 def test_lru_under_the_count_bound_skips_busy_and_loading_models():
@@ -156,3 +161,14 @@ def test_serve_refuses_bad_model_lists_before_starting_anything(tmp_path, capsys
     for argv, message in cases:
         assert main(["serve", *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_memory_bound_that_is_not_a_positive_finite_size(tmp_path, capsys):
+    from tokenmill.entrypoints.cli import main
+
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    for bound in ("inf", "1e400", "0.5"):
+        with pytest.raises(SystemExit) as done:
+            main(["serve", "--models-dir", str(tmp_path), "--max-memory", bound])
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and "argument --max-memory" in err and bound in err and "Traceback" not in err

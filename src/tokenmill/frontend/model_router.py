@@ -265,7 +265,7 @@ def models_in(directory: str) -> list[tuple[str, str]]:
 
 
 def parse_memory(text: str) -> int:
-    """`--max-memory 8G` / `512M` / `1.5GiB` / bytes -> bytes."""
+    """`--max-memory 8G` / `512M` / `1.5GiB` / bytes -> bytes (at least one; finite)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     body = text.strip().lower().removesuffix("ib").removesuffix("b")
     scale = units.get(body[-1:], 1)
@@ -273,6 +273,8 @@ def parse_memory(text: str) -> int:
         value = float(body[:-1] if body[-1:] in units else body) * scale
     except ValueError:
         raise ValueError(f"expected a size like 8G, 512M or a number of bytes, got {text!r}") from None
-    if value <= 0:
-        raise ValueError(f"the memory bound must be positive, got {text!r}")
+    if not math.isfinite(value):  # "inf", "1e400": int() would raise OverflowError, which argparse shows as a traceback
+        raise ValueError(f"the memory bound must be a finite size like 8G, got {text!r}")
+    if int(value) < 1:  # checked after rounding: 0.5 would otherwise be a 0-byte bound
+        raise ValueError(f"the memory bound must be at least one byte, got {text!r}")
     return int(value)
