@@ -3,35 +3,19 @@
 Why: a model file that cannot load fails the same way on every try. Without a memory, each retry
 (a client's retry loop, a health probe naming the model) runs the checks or starts processes again,
 and, with a full pool, made room for it first: unloading healthy models for a load that then failed.
-A failure is keyed by the file's identity (`file_stamp`: size and mtime of the path, and of a
-folder's config.json), so a fixed or replaced file is tried again at once; it is forgotten after
-`FAILED_LOAD_TTL_S`, so a cause outside the file (memory, a killed process) gets another chance.
+A failure is keyed by the file's identity (size and mtime: model/file_stamp.py), so a fixed or
+replaced file is tried again at once; it is forgotten after `FAILED_LOAD_TTL_S`, so a cause outside the file (memory, a killed process) gets another chance.
 
 Pure bookkeeping: `now` is passed in (model_pool.py applies it; the unit tests drive the clock).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from tokenmill.model.file_stamp import FileStamp
+
 FAILED_LOAD_TTL_S = 60.0
-
-FileStamp = tuple[tuple[int, int], ...] | None
-
-
-def file_stamp(path: str) -> FileStamp:
-    """(size, mtime_ns) of the path (and of a folder's config.json); None if it does not exist."""
-    stamps = []
-    for p in (path, os.path.join(path, "config.json")) if os.path.isdir(path) else (path,):
-        try:
-            st = os.stat(p)
-        except OSError:
-            if p == path:
-                return None
-            continue
-        stamps.append((st.st_size, st.st_mtime_ns))
-    return tuple(stamps)
 
 
 @dataclass(frozen=True)

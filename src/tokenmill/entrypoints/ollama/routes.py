@@ -212,20 +212,9 @@ class OllamaServing:
             raise InvalidRequest("model is required: the name of the model to show", param="model")
         if name not in card.names():
             raise RequestError(f"model '{name}' not found", 404)
-        server = self.server()
-        capabilities = ["completion", "embedding"]
-        if server.chat.tool_parser is not None:
-            capabilities.append("tools")
-        if server.chat.reasoning_parser is not None:
-            capabilities.append("thinking")
-        tokenizer = self.manager.tokenizer
-        return JSONResponse({
-            "modelfile": f"FROM {card.path}\n", "parameters": "", "license": "",
-            "template": getattr(tokenizer, "chat_template", None) or "",
-            "details": card.details(), "modified_at": card.modified, "capabilities": capabilities,
-            "model_info": {"general.architecture": card.architecture,
-                           f"{card.architecture}.context_length": card.max_model_len},
-        })
+        chat = self.server().chat
+        template = getattr(self.manager.tokenizer, "chat_template", None) or ""
+        return JSONResponse(card.show(template, chat.tool_parser is not None, chat.reasoning_parser is not None))
 
 
 def _call_reader(req: ChatCompletionRequest, tool_parser: Any) -> CallReader | None:
@@ -352,7 +341,7 @@ def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, aut
               work: Callable[[dict[str, Any], Request], Awaitable[Response] | Response], status_code: int = 200) -> None:
         async def handler(raw: Request) -> Response:
             try:
-                body = await _body(raw) if method == "POST" else {}
+                body = await read_body(raw) if method == "POST" else {}
                 result = work(body, raw)
                 return await result if isinstance(result, Awaitable) else result
             except Exception as exc:
@@ -390,7 +379,8 @@ def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, aut
     app.include_router(router)
 
 
-async def _body(raw: Request) -> dict[str, Any]:
+async def read_body(raw: Request) -> dict[str, Any]:
+    """A POST body as Ollama's routes take it: a JSON object (InvalidRequest otherwise), its flags checked."""
     try:
         body = json.loads(await raw.body() or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -36,7 +36,7 @@ from tokenmill.entrypoints.openai.processes import ChildProcesses
 from tokenmill.entrypoints.openai.server_state import ServerState
 from tokenmill.errors import ModelLoadError
 from tokenmill.frontend.live_bound import install_live_bound
-from tokenmill.frontend.load_failures import FileStamp, LoadFailures, file_stamp
+from tokenmill.frontend.load_failures import LoadFailures
 from tokenmill.frontend.model_router import ModelEntry, ModelRouter, ModelState
 from tokenmill.frontend.reasoning_parser import ReasoningParser
 from tokenmill.frontend.request_error import RequestError
@@ -44,6 +44,7 @@ from tokenmill.frontend.tokenizer_manager import ServerStatus, TokenizerManager
 from tokenmill.frontend.tool_parsers import ToolParser
 from tokenmill.ipc.channels import MAIN, SCHEDULER, AsyncReceiver, IpcPaths, Sender
 from tokenmill.ipc.messages import ToMain
+from tokenmill.model.file_stamp import FileStamp, file_stamp
 from tokenmill.model.preflight import check_model_path
 
 logger = logging.getLogger(__name__)
