@@ -332,8 +332,10 @@ async def _stream(parts: AsyncIterator[_Part], shape: Any, head: dict[str, Any],
         yield line({"error": as_request_error(exc).message})
 
 
-def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, auth: list[Any]) -> None:
-    """Adds Ollama's routes to `app`; `server()` gives the state the OpenAI routes use."""
+def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, auth: list[Any],
+                   multi_model: bool = False) -> None:
+    """Adds Ollama's routes to `app`; `server()` gives the state the OpenAI routes use; `multi_model`:
+    behind the model router (its models come from --models-dir / --model, not from a store)."""
     serving = OllamaServing(server, model_path)
     router = APIRouter(dependencies=auth)
 
@@ -357,10 +359,12 @@ def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, aut
     route("GET", "/api/tags", lambda *_: JSONResponse({"models": [serving.card().tag()]}))
     route("GET", "/api/ps", lambda *_: JSONResponse({"models": [serving.card().running()]}))
     route("GET", "/api/version", lambda *_: JSONResponse({"version": OLLAMA_API_VERSION}))
+    served = ("the models found in --models-dir or named with --model when it started" if multi_model
+              else "the model it was started with")
     for name in MODEL_STORE:
         async def store(body: dict[str, Any], raw: Request, name: str = name) -> Response:
-            raise RequestError(f"/api/{name.split('/')[0]} is not available: tokenmill serves the model it was "
-                               "started with and has no model store", 501)
+            raise RequestError(f"/api/{name.split('/')[0]} is not available: tokenmill serves {served} "
+                               "and has no model store", 501)
         # Documented as what they answer: 501, always (the OpenAPI spec and its fuzz test see it so).
         route("DELETE" if name == "delete" else "POST", f"/api/{name}", store, status_code=501)
     # Anything else under /api/ answers in Ollama's shape too (the app's own 404 / 405 are OpenAI's):
