@@ -56,12 +56,28 @@ def test_keep_alive_and_memory_parsing():
     assert keep_alive_seconds(None) is None
     assert keep_alive_seconds(0) == 0 and keep_alive_seconds("0") == 0 and keep_alive_seconds(-1) == -1
     assert keep_alive_seconds("5m") == 300 and keep_alive_seconds("30s") == 30 and keep_alive_seconds("1.5h") == 5400
-    for bad in ("soon", True, [1]):
+    # Go's durations, as Ollama reads a string keep_alive (time.ParseDuration)
+    assert keep_alive_seconds("1h30m") == 5400 and keep_alive_seconds("2h45m30s") == 9930
+    assert keep_alive_seconds("300ms") == pytest.approx(0.3) and keep_alive_seconds("-1m") == -60
+    assert keep_alive_seconds("1m0.5s") == 60.5 and keep_alive_seconds("+.5h") == 1800 and keep_alive_seconds("-1") == -1
+    assert keep_alive_seconds("1.h.5m") == 3630  # Go accepts a point with no digits on one side
+    for bad in ("soon", True, [1], "", "h", ".s", "1h30", "5 m", "1d", "--1m"):
         with pytest.raises(ValueError, match="keep_alive"):
             keep_alive_seconds(bad)
+    for bad in ("nan", "inf", "-Infinity", float("nan"), float("inf"), "1e400"):
+        with pytest.raises(ValueError, match="keep_alive must be finite"):
+            keep_alive_seconds(bad)
+    # longer than any clock shows (Go's durations end at ~292 years): forever, as a negative one
+    assert keep_alive_seconds(1e12) == -1 and keep_alive_seconds(1e308) == -1 and keep_alive_seconds("1e12") == -1
+    assert keep_alive_seconds("9999999999h") == -1 and keep_alive_seconds(86400 * 365) == 86400 * 365
     assert parse_memory("8G") == 8 << 30 and parse_memory("512MiB") == 512 * MB and parse_memory("1000") == 1000
+    assert parse_memory("1.5") == 1
     with pytest.raises(ValueError):
         parse_memory("lots")
+    for bad, problem in (("inf", "finite"), ("1e400", "finite"), ("-inf", "finite"), ("nan", "finite"),
+                         ("0.5", "at least one byte"), ("0", "at least one byte"), ("-1G", "at least one byte")):
+        with pytest.raises(ValueError, match=problem):
+            parse_memory(bad)
 
 
 def test_lru_under_the_count_bound_skips_busy_and_loading_models():
@@ -87,6 +103,20 @@ def test_memory_bound_unloads_least_recently_used_until_it_fits():
     assert router.evictions(want) == [b, c, a]
     y = ModelEntry("y", "/y")
     assert ModelRouter([loaded("x", 1.0), y]).evictions(y) == []  # no bound: everything stays
+
+
+def test_trim_to_memory_after_a_load_measured_more_than_its_estimate():
+    a, b, c = loaded("a", 1.0, 300 * MB), loaded("b", 2.0, 300 * MB, in_flight=1), loaded("c", 3.0, 300 * MB)
+    new = loaded("new", 4.0, 600 * MB)  # admitted on its size on disk, measured bigger once loaded
+    router = ModelRouter([a, b, c, new], max_memory=1000 * MB)
+    assert router.trim_to_memory(new) == ([a, c], True)  # 1500 -> 900: LRU idle first, b is busy
+    new.memory_bytes = 800 * MB
+    assert router.trim_to_memory(new) == ([a, c], False)  # 1100 even so: the caller warns
+    new.memory_bytes = 100 * MB
+    assert router.trim_to_memory(new) == ([], True)
+    assert ModelRouter([a, new]).trim_to_memory(new) == ([], True)  # no bound
+    new.memory_bytes, new.in_flight = 2000 * MB, 0
+    assert new not in router.trim_to_memory(new).victims  # never the model just loaded, idle or not
 
 
 def test_requests_in_flight_protect_and_idle_expiry():
@@ -131,3 +161,14 @@ def test_serve_refuses_bad_model_lists_before_starting_anything(tmp_path, capsys
     for argv, message in cases:
         assert main(["serve", *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_memory_bound_that_is_not_a_positive_finite_size(tmp_path, capsys):
+    from tokenmill.entrypoints.cli import main
+
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    for bound in ("inf", "1e400", "0.5"):
+        with pytest.raises(SystemExit) as done:
+            main(["serve", "--models-dir", str(tmp_path), "--max-memory", bound])
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and "argument --max-memory" in err and bound in err and "Traceback" not in err

@@ -8,17 +8,27 @@ every rule is unit-tested alone; entrypoints/openai/model_pool.py owns the proce
   `max_memory` (bytes: each model's measured footprint, or its estimate before its first load):
   least recently used first, and never a model with requests in flight or still loading. When
   nothing idle is left to unload, the load waits (the caller retries when a request finishes).
+- Before its first load a model's footprint is only its size on disk, and the real one is larger
+  (KV pool, dequantized weights: ~2.7x for a Q4 Gemma-3). So once a load has measured it, if the
+  resident total exceeds `max_memory`, idle loaded models unload, least recently used first, until
+  it fits (`trim_to_memory`); never one with requests in flight, still loading, or the one just
+  loaded. If nothing idle is left and it still does not fit, the pool logs a warning and serves on:
+  the bound is then exceeded until a busy model goes idle and a later load trims again.
 - An idle model unloads `idle_unload_s` after its last request finished, or at the deadline its
-  last request's Ollama `keep_alive` set (0: as soon as that request finishes; negative: never).
+  last request's Ollama `keep_alive` set (0: as soon as that request finishes; negative, or longer
+  than Go's durations reach, about 292 years: never).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from tokenmill.frontend.go_duration import parse_go_duration
 from tokenmill.model.gguf_parts import all_parts, default_model_name, is_later_part
 
 
@@ -63,29 +73,41 @@ def parse_model_arg(text: str) -> tuple[str, str]:
     return model_name(text), text
 
 
+# Go's time.Duration maximum (about 292 years): Ollama's "forever". A keep_alive as long or longer
+# (1e12, 1e308) means forever too, rather than a deadline no clock can show (/api/ps's expires_at).
+MAX_KEEP_ALIVE_S = (2**63 - 1) / 1e9
+_KEEP_ALIVE_FORMS = "a number of seconds or a duration like '5m' or '1h30m'"
+
+
 def keep_alive_seconds(value: object) -> float | None:
-    """Ollama's keep_alive: seconds (a number) or a duration ("5m", "30s", "1h", "0"); negative: forever.
-    None when absent. Raises ValueError naming the problem on anything else."""
+    """Ollama's keep_alive: seconds (a number) or a Go duration ("5m", "1h30m", "300ms", "0");
+    negative or longer than Go can count: forever (-1). None when absent. Raises ValueError naming
+    keep_alive on anything else, NaN and infinity included."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"keep_alive must be a number of seconds or a duration like '5m', got {value!r}")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str):
         text = value.strip()
-        units = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-        for suffix in ("ms", "s", "m", "h"):
-            if text.endswith(suffix):
-                number, scale = text[: -len(suffix)], units[suffix]
-                break
-        else:
-            number, scale = text, 1.0
-        try:
-            return float(number) * scale
+        try:  # a bare number ("300", "-1"): seconds, as a JSON number is; "nan" and "inf" are refused below
+            seconds = float(text)
         except ValueError:
-            pass
-    raise ValueError(f"keep_alive must be a number of seconds or a duration like '5m', got {value!r}")
+            try:
+                seconds = parse_go_duration(text)
+            except ValueError:
+                raise ValueError(f"keep_alive must be {_KEEP_ALIVE_FORMS}, got {value!r}") from None
+    else:
+        raise ValueError(f"keep_alive must be {_KEEP_ALIVE_FORMS}, got {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"keep_alive must be finite: {_KEEP_ALIVE_FORMS}, got {value!r}")
+    return -1.0 if seconds >= MAX_KEEP_ALIVE_S else seconds
+
+
+class Trim(NamedTuple):
+    """What `trim_to_memory` decided: the models to unload, and whether the rest then fits."""
+
+    victims: list[ModelEntry]
+    fits: bool
 
 
 class ModelRouter:
@@ -147,6 +169,21 @@ class ModelRouter:
                 return None
             chosen.append(idle.pop(0))
         return chosen
+
+    def trim_to_memory(self, keep: ModelEntry) -> Trim:
+        """After `keep` loaded and its footprint was measured: the idle loaded models to unload (least
+        recently used first) so that the resident total fits max_memory, and whether it then does."""
+        if self.max_memory is None:
+            return Trim([], True)
+        resident = self.resident()
+        total = sum(e.memory_bytes for e in resident)
+        idle = sorted((e for e in resident if e is not keep and self._evictable(e)), key=lambda e: e.last_used)
+        victims = []
+        while total > self.max_memory and idle:
+            victim = idle.pop(0)
+            victims.append(victim)
+            total -= victim.memory_bytes
+        return Trim(victims, total <= self.max_memory)
 
     def _fits(self, want: ModelEntry, staying: Iterable[ModelEntry]) -> bool:
         staying = list(staying)
@@ -228,7 +265,7 @@ def models_in(directory: str) -> list[tuple[str, str]]:
 
 
 def parse_memory(text: str) -> int:
-    """`--max-memory 8G` / `512M` / `1.5GiB` / bytes -> bytes."""
+    """`--max-memory 8G` / `512M` / `1.5GiB` / bytes -> bytes (at least one; finite)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     body = text.strip().lower().removesuffix("ib").removesuffix("b")
     scale = units.get(body[-1:], 1)
@@ -236,6 +273,8 @@ def parse_memory(text: str) -> int:
         value = float(body[:-1] if body[-1:] in units else body) * scale
     except ValueError:
         raise ValueError(f"expected a size like 8G, 512M or a number of bytes, got {text!r}") from None
-    if value <= 0:
-        raise ValueError(f"the memory bound must be positive, got {text!r}")
+    if not math.isfinite(value):  # "inf", "1e400": int() would raise OverflowError, which argparse shows as a traceback
+        raise ValueError(f"the memory bound must be a finite size like 8G, got {text!r}")
+    if int(value) < 1:  # checked after rounding: 0.5 would otherwise be a 0-byte bound
+        raise ValueError(f"the memory bound must be at least one byte, got {text!r}")
     return int(value)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.gguf_metadata import read_gguf_metadata
 
 GGUF_MAGIC = b"GGUF"
 
@@ -38,6 +37,10 @@ def check_model_path(path: str) -> None:
         raise ModelLoadError(path, "the file is empty")
     if magic != GGUF_MAGIC:
         raise ModelLoadError(path, f"not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+    # Here, not at the top: the API process imports this module (the model pool) and needs numpy
+    # only once it checks a GGUF.
+    from tokenmill.model.gguf_metadata import read_gguf_metadata
+
     try:
         meta = read_gguf_metadata(path)
     except Exception as e:  # struct, unicode, numpy: a header cut short or damaged

@@ -85,6 +85,9 @@ def _gguf_metadata(path: str) -> dict[str, Any]:
 
 def _load_gguf(path: str, meta: dict[str, Any] | None = None) -> TokenizerFiles:
     meta = _gguf_metadata(path) if meta is None else meta
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):  # what every vocabulary needs
+        if key not in meta:
+            raise ModelLoadError(path, f"cannot build the tokenizer: the GGUF metadata has no {key!r}")
     try:
         if meta.get("tokenizer.ggml.model") == "llama":
             # SentencePiece: built as llama.cpp tokenizes (spm_vocab.py), not by transformers'
@@ -94,6 +97,9 @@ def _load_gguf(path: str, meta: dict[str, Any] | None = None) -> TokenizerFiles:
             backend = _backend_of(_transformers_gguf_tokenizer(path), path)
     except ModelLoadError:
         raise
+    except KeyError as exc:  # transformers reads the tokenizer's keys without their prefix: name the real one
+        raise ModelLoadError(path, f"cannot build the tokenizer: the GGUF metadata has no "
+                                   f"'tokenizer.ggml.{exc.args[0] if exc.args else ''}'") from exc
     except Exception as exc:  # transformers raises many kinds; the user needs the file and the cause
         raise ModelLoadError(path, f"cannot build the tokenizer from GGUF metadata: {exc}") from exc
     eos = {int(meta[k]) for k in _GGUF_EOS_KEYS if meta.get(k) is not None}

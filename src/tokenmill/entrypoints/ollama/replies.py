@@ -1,5 +1,6 @@
 """Ollama's reply fields: model, created_at, durations in nanoseconds, counts, and the model cards
-of /api/tags, /api/ps and /api/show."""
+of /api/tags, /api/ps and /api/show (whose family and architecture come from the model's files:
+model/model_facts.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenmill.model.model_facts import ModelFacts, model_facts
 
 # What /api/version reports: the Ollama API version whose fields these replies carry. Clients gate
 # features on it (tools, think, structured format), so it is Ollama's number, not tokenmill's.
@@ -59,13 +62,15 @@ def done_reason(finish_reason: str | None) -> str:
 
 
 class ModelCard:
-    """The one model this server serves, as Ollama's listings describe a model."""
+    """A model this server serves, as Ollama's listings describe a model. `facts` is read from the
+    files when not given (cached per file version; async callers read it in a thread first)."""
 
-    def __init__(self, name: str, path: str, max_model_len: int, architecture: str = "llama") -> None:
+    def __init__(self, name: str, path: str, max_model_len: int, facts: ModelFacts | None = None) -> None:
         self.name = name
         self.path = path
         self.max_model_len = max_model_len
-        self.architecture = architecture
+        self.facts = facts if facts is not None else model_facts(path)
+        self.architecture = self.facts.architecture
         try:
             stat = os.stat(path)
             self.size = stat.st_size if os.path.isfile(path) else _folder_size(path)
@@ -87,6 +92,16 @@ class ModelCard:
     def tag(self) -> dict[str, Any]:
         return {"name": f"{self.name}:latest", "model": f"{self.name}:latest", "modified_at": self.modified,
                 "size": self.size, "digest": self.digest, "details": self.details()}
+
+    def show(self, template: str, tools: bool, thinking: bool) -> dict[str, Any]:
+        """/api/show's reply: `tools` / `thinking` when the server reads tool calls / reasoning."""
+        capabilities = ["completion", "embedding"] + ["tools"] * tools + ["thinking"] * thinking
+        info: dict[str, Any] = {"general.architecture": self.architecture}
+        if self.architecture:
+            info[f"{self.architecture}.context_length"] = self.max_model_len
+        return {"modelfile": f"FROM {self.path}\n", "parameters": "", "license": "", "template": template,
+                "details": self.details(), "modified_at": self.modified, "capabilities": capabilities,
+                "model_info": info}
 
     def running(self) -> dict[str, Any]:
         # Loaded for as long as the server runs: expires far in the future, as Ollama shows keep_alive -1.

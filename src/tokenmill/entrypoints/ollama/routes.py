@@ -212,20 +212,9 @@ class OllamaServing:
             raise InvalidRequest("model is required: the name of the model to show", param="model")
         if name not in card.names():
             raise RequestError(f"model '{name}' not found", 404)
-        server = self.server()
-        capabilities = ["completion", "embedding"]
-        if server.chat.tool_parser is not None:
-            capabilities.append("tools")
-        if server.chat.reasoning_parser is not None:
-            capabilities.append("thinking")
-        tokenizer = self.manager.tokenizer
-        return JSONResponse({
-            "modelfile": f"FROM {card.path}\n", "parameters": "", "license": "",
-            "template": getattr(tokenizer, "chat_template", None) or "",
-            "details": card.details(), "modified_at": card.modified, "capabilities": capabilities,
-            "model_info": {"general.architecture": card.architecture,
-                           f"{card.architecture}.context_length": card.max_model_len},
-        })
+        chat = self.server().chat
+        template = getattr(self.manager.tokenizer, "chat_template", None) or ""
+        return JSONResponse(card.show(template, chat.tool_parser is not None, chat.reasoning_parser is not None))
 
 
 def _call_reader(req: ChatCompletionRequest, tool_parser: Any) -> CallReader | None:
@@ -343,8 +332,10 @@ async def _stream(parts: AsyncIterator[_Part], shape: Any, head: dict[str, Any],
         yield line({"error": as_request_error(exc).message})
 
 
-def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, auth: list[Any]) -> None:
-    """Adds Ollama's routes to `app`; `server()` gives the state the OpenAI routes use."""
+def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, auth: list[Any],
+                   multi_model: bool = False) -> None:
+    """Adds Ollama's routes to `app`; `server()` gives the state the OpenAI routes use; `multi_model`:
+    behind the model router (its models come from --models-dir / --model, not from a store)."""
     serving = OllamaServing(server, model_path)
     router = APIRouter(dependencies=auth)
 
@@ -352,7 +343,7 @@ def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, aut
               work: Callable[[dict[str, Any], Request], Awaitable[Response] | Response], status_code: int = 200) -> None:
         async def handler(raw: Request) -> Response:
             try:
-                body = await _body(raw) if method == "POST" else {}
+                body = await read_body(raw) if method == "POST" else {}
                 result = work(body, raw)
                 return await result if isinstance(result, Awaitable) else result
             except Exception as exc:
@@ -368,10 +359,12 @@ def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, aut
     route("GET", "/api/tags", lambda *_: JSONResponse({"models": [serving.card().tag()]}))
     route("GET", "/api/ps", lambda *_: JSONResponse({"models": [serving.card().running()]}))
     route("GET", "/api/version", lambda *_: JSONResponse({"version": OLLAMA_API_VERSION}))
+    served = ("the models found in --models-dir or named with --model when it started" if multi_model
+              else "the model it was started with")
     for name in MODEL_STORE:
         async def store(body: dict[str, Any], raw: Request, name: str = name) -> Response:
-            raise RequestError(f"/api/{name.split('/')[0]} is not available: tokenmill serves the model it was "
-                               "started with and has no model store", 501)
+            raise RequestError(f"/api/{name.split('/')[0]} is not available: tokenmill serves {served} "
+                               "and has no model store", 501)
         # Documented as what they answer: 501, always (the OpenAPI spec and its fuzz test see it so).
         route("DELETE" if name == "delete" else "POST", f"/api/{name}", store, status_code=501)
     # Anything else under /api/ answers in Ollama's shape too (the app's own 404 / 405 are OpenAI's):
@@ -390,7 +383,8 @@ def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, aut
     app.include_router(router)
 
 
-async def _body(raw: Request) -> dict[str, Any]:
+async def read_body(raw: Request) -> dict[str, Any]:
+    """A POST body as Ollama's routes take it: a JSON object (InvalidRequest otherwise), its flags checked."""
     try:
         body = json.loads(await raw.body() or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

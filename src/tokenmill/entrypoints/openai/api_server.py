@@ -248,7 +248,7 @@ def build_app(
     install_responses(app, lambda: server.chat, auth, body_doc(ResponsesRequest))
     install_messages(app, lambda: server.chat, config.api_key, body_doc)
     install_dashboard(app, lambda: server.manager, config.api_key, lambda: server.replicas)  # dashboard.py
-    install_ollama(app, lambda: server, config.model_path, auth)  # Ollama's /api/* (entrypoints/ollama/)
+    install_ollama(app, lambda: server, config.model_path, auth, multi_model=pool is not None)  # Ollama's /api/*
     return app
 
 

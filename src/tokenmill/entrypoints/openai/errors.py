@@ -1,7 +1,9 @@
 """Every failure a client can see, as an OpenAI error body: {"error": {message, type, param, code}}.
 
 Bad input is a 400 naming the field (404 for an unknown model); nothing a client sends may produce a
-500. A 500 here means a bug in the server, and is logged with its traceback.
+500. A 500 here means a bug in the server, and is logged with its traceback. Under /api/ (Ollama's
+routes) the same failures come as Ollama's `{"error": "..."}`: its clients read no other shape, and
+an error raised outside a route's own handling (the key check, a bug) must not switch protocol.
 """
 
 from __future__ import annotations
@@ -92,26 +94,33 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def shaped_response(request: Request, message: str, status: int, param: str | None = None, code: str | None = None,
+                    headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error in the protocol of the route that failed: Ollama's under /api/, else OpenAI's."""
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return error_response(message, status, param, code, headers)
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.code, exc.headers)
+        return shaped_response(request, exc.message, exc.status, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
-        return error_response(exc.message, 400, exc.param)
+        return shaped_response(request, exc.message, 400, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
-        return error_response(message, 400, param)
+        return shaped_response(request, message, 400, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return shaped_response(request, str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         err = as_request_error(exc)
-        return error_response(err.message, err.status, err.param, err.code)
+        return shaped_response(request, err.message, err.status, err.param, err.code)

@@ -12,7 +12,10 @@ model's first request and stopped when the policy (frontend/model_router.py) say
 Each model's pair lives in its own IPC directory and its own sockets (created and closed here), so
 a model's messages can never reach another model's requests. A load runs on the event loop as
 asyncio tasks (tokenizer export in a thread, children as subprocesses), so the loaded models keep
-serving while it runs; concurrent first requests share one load.
+serving while it runs; concurrent first requests share one load. A load first checks the file
+(model/preflight.py, in a thread) and only then makes room: a file that cannot be a model never
+unloads another; a failed load is remembered (frontend/load_failures.py), so its retries get the
+same 500 at once.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.processes import ChildProcesses
 from tokenmill.entrypoints.openai.server_state import ServerState
+from tokenmill.errors import ModelLoadError
 from tokenmill.frontend.live_bound import install_live_bound
+from tokenmill.frontend.load_failures import LoadFailures
 from tokenmill.frontend.model_router import ModelEntry, ModelRouter, ModelState
 from tokenmill.frontend.reasoning_parser import ReasoningParser
 from tokenmill.frontend.request_error import RequestError
@@ -39,6 +44,8 @@ from tokenmill.frontend.tokenizer_manager import ServerStatus, TokenizerManager
 from tokenmill.frontend.tool_parsers import ToolParser
 from tokenmill.ipc.channels import MAIN, SCHEDULER, AsyncReceiver, IpcPaths, Sender
 from tokenmill.ipc.messages import ToMain
+from tokenmill.model.file_stamp import FileStamp, file_stamp
+from tokenmill.model.preflight import check_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +86,11 @@ def renice(pids: list[int], niceness: int) -> None:
                 logger.warning("cannot restore the priority of a loaded model's process %d (no CAP_SYS_NICE): "
                                "it stays at niceness %d", pid, os.getpriority(os.PRIO_PROCESS, tid))
                 return
+
+
+def load_failed(entry: ModelEntry, reason: str) -> RequestError:
+    """500, as Ollama answers a load error: a broken file is not a retryable 503."""
+    return RequestError(f"the model {entry.name!r} failed to load: {reason}", 500, "model", "model_load_failed")
 
 
 class ModelEngine:
@@ -151,6 +163,7 @@ class ModelPool:
         self._unloads: dict[str, asyncio.Task[None]] = {}
         self._changed = asyncio.Event()  # pulsed whenever a request finishes or a model changes state
         self._reaper: asyncio.Task | None = None
+        self.failures = LoadFailures()
 
     def start(self) -> None:
         """On the server's event loop: the idle reaper starts."""
@@ -197,20 +210,21 @@ class ModelPool:
     async def _load(self, entry: ModelEntry) -> None:
         engine: ModelEngine | None = None
         try:
+            stamp = await self._preflight(entry)  # before _make_room: a bad file evicts nothing
             await self._make_room(entry)  # entry is LOADING from the moment its room is reserved
             tic = time.monotonic()
             engine = self.engines[entry.name] = ModelEngine(self.ctx, entry, self.settings)
             logger.info("loading model %s from %s", entry.name, entry.path)
             if not await engine.start():
-                reason = engine.manager.unhealthy_reason or "it did not start"
-                raise RequestError(f"the model {entry.name!r} failed to load: {reason}", 503, "model",
-                                   "model_load_failed")
+                raise self._failed(entry, stamp, engine.manager.unhealthy_reason or "it did not start")
+            self.failures.forget(entry.name)
             entry.memory_bytes = engine.memory_bytes() or entry.memory_bytes
             entry.loads += 1
             entry.load_seconds = time.monotonic() - tic
             entry.state = ModelState.LOADED
             logger.info("loaded model %s in %.1f s (%.0f MiB resident)", entry.name, entry.load_seconds,
                         entry.memory_bytes / 2**20)
+            self._trim_to_memory(entry)
         except BaseException:
             if engine is not None:  # no half-started processes or sockets stay behind
                 self.engines.pop(entry.name, None)
@@ -220,6 +234,25 @@ class ModelPool:
         finally:
             self._loads.pop(entry.name, None)
             self._pulse()
+
+    async def _preflight(self, entry: ModelEntry) -> FileStamp:
+        """The file's stamp, once it passed the torch-free checks; a load that failed on this very
+        file within the last minute fails again here at once."""
+        stamp = file_stamp(entry.path)
+        reason = self.failures.recall(entry.name, stamp, time.monotonic())
+        if reason is not None:
+            raise load_failed(entry, reason)
+        try:
+            await asyncio.to_thread(check_model_path, entry.path)  # reads the GGUF header: off the loop
+        except ModelLoadError as exc:
+            raise self._failed(entry, stamp, exc.problem) from None
+        return stamp
+
+    def _failed(self, entry: ModelEntry, stamp: FileStamp, reason: str) -> RequestError:
+        logger.warning("model %s failed to load: %s (retries within %.0f s get this answer)", entry.name, reason,
+                       self.failures.ttl_s)
+        self.failures.remember(entry.name, stamp, reason, time.monotonic())
+        return load_failed(entry, reason)
 
     async def _make_room(self, entry: ModelEntry) -> None:
         deadline = time.monotonic() + ROOM_WAIT_S
@@ -241,6 +274,20 @@ class ModelPool:
             logger.info("unloading model %s to make room for %s", victim.name, entry.name)
             self._begin_unload(victim)
         await asyncio.gather(*(asyncio.shield(self._unloads[v.name]) for v in victims if v.name in self._unloads))
+
+    def _trim_to_memory(self, loaded: ModelEntry) -> None:
+        """The estimate it was admitted on was its size on disk: with its real footprint known, unload
+        idle models until the resident total fits --max-memory (model_router.py says the rule)."""
+        victims, fits = self.router.trim_to_memory(loaded)
+        for victim in victims:
+            logger.info("unloading model %s: with %s loaded (%.0f MiB measured) the resident total exceeds "
+                        "--max-memory", victim.name, loaded.name, loaded.memory_bytes / 2**20)
+            self._begin_unload(victim)
+        if not fits:
+            total = sum(e.memory_bytes for e in self.router.resident() if e not in victims)
+            logger.warning("the loaded models take %.0f MiB, over --max-memory (%.0f MiB), and no other model is idle "
+                           "to unload: the bound is exceeded until one is", total / 2**20,
+                           (self.router.max_memory or 0) / 2**20)
 
     def _begin_unload(self, entry: ModelEntry) -> None:
         """Marks it unloading at once (so no new request and no other load picks it), stops it in a task."""

@@ -8,12 +8,18 @@ single-model routes, unchanged: they reach `server.chat`, `server.manager`, ... 
 which answers with the current request's model. The request counts as in flight until its response
 has been sent (a stream's last byte included), so its model cannot be unloaded under it.
 
-The routes that speak of every model (/health, /v1/models, /metrics, timelines, /api/tags, /api/ps)
-are registered here ahead of their single-model versions, which they shadow.
+A request its route would refuse before looking at the model loads nothing: a `model` that is not
+a string is answered 400 here. Ollama's `NAME:latest` means NAME on every route (the body handed on
+names NAME, so an OpenAI route serves it rather than loading the model and answering 404).
+
+The routes that speak of every model (/health, /v1/models, /metrics, timelines, /api/tags, /api/ps,
+/api/show) are registered here ahead of their single-model versions, which they shadow; they read
+a model's files (model/model_facts.py), never load it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import datetime
 import json
@@ -26,21 +32,24 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 from urllib.parse import parse_qs
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.entrypoints.anthropic.serving import error_json
 from tokenmill.entrypoints.ollama.replies import ModelCard, load_wait_s
+from tokenmill.entrypoints.ollama.routes import ollama_error, read_body
 from tokenmill.entrypoints.openai.errors import as_request_error, error_body
 from tokenmill.entrypoints.openai.model_metrics import render_models
 from tokenmill.entrypoints.openai.model_pool import ModelPool
 from tokenmill.entrypoints.openai.server_state import ServerState
 from tokenmill.entrypoints.openai.serving_common import now_s
+from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.model_router import ModelEntry, ModelState, keep_alive_seconds
 from tokenmill.frontend.request_error import RequestError
 from tokenmill.frontend.request_timelines import MAX_FINISHED
 from tokenmill.frontend.tokenizer_manager import ServerStatus
+from tokenmill.model.model_facts import model_facts
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +60,7 @@ current_state: contextvars.ContextVar[ServerState | None] = contextvars.ContextV
 ROUTED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/responses",
     "/v1/messages", "/v1/messages/count_tokens",
-    "/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/show",
+    "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
 })
 
 # GET routes of the live view: `?model=NAME` shows that model (loaded ones only: a look never loads
@@ -147,7 +156,7 @@ class ModelRoutingMiddleware:
         path = scope["path"]
         tic = time.monotonic()
         try:
-            entry, keep_alive = self._choose(path, body)
+            entry, keep_alive, body = self._choose(path, body)
             state = await self.pool.acquire(entry)
         except Exception as exc:  # unknown model, a failed load (503), a bug (500, logged)
             error = as_request_error(exc)
@@ -186,22 +195,28 @@ class ModelRoutingMiddleware:
         payload, status = _error(scope["path"], error)
         await JSONResponse(payload, status_code=status)(scope, receive, send)
 
-    def _choose(self, path: str, body: bytes) -> tuple[ModelEntry, float | None]:
+    def _choose(self, path: str, body: bytes) -> tuple[ModelEntry, float | None, bytes]:
+        """The model, the request's keep_alive, and the body to hand on (naming the model as served)."""
         try:
             fields = json.loads(body or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError):
             fields = {}  # the route itself answers the malformed body (with the default model)
         fields = fields if isinstance(fields, dict) else {}
-        name = fields.get("model") or (fields.get("name") if path == "/api/show" else None)
+        name = fields.get("model")
+        if name is not None and not isinstance(name, str):  # the route's 400, before anything loads
+            raise RequestError(f"model must be a string, got {type(name).__name__}", 400, "model")
         router = self.pool.router
-        entry = router.find(name if isinstance(name, str) else None)
+        entry = router.find(name)
         if entry is None:
             raise unknown_model(str(name), list(router.entries), path)
         try:
             keep_alive = keep_alive_seconds(fields.get("keep_alive")) if path.startswith("/api/") else None
         except ValueError as exc:
             raise RequestError(str(exc), 400, "keep_alive") from None
-        return entry, keep_alive
+        if name and name != entry.name and not path.startswith("/api/"):
+            # `gemma:latest` on an OpenAI or Anthropic route: the route checks the name it serves.
+            body = json.dumps({**fields, "model": entry.name}).encode()
+        return entry, keep_alive, body
 
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None:
@@ -288,32 +303,62 @@ def install_model_routes(app: FastAPI, pool: ModelPool, auth: list[Any]) -> None
         raise RequestError(f"no request {request_id!r} is running or among the last {MAX_FINISHED} finished "
                            "on a loaded model", 404, "request_id", "request_not_found")
 
-    def ollama_card(entry: ModelEntry) -> ModelCard:
+    async def ollama_card(entry: ModelEntry) -> ModelCard:
         state = engine_state(entry)
-        limits = state.manager.limits if state is not None else None
-        return ModelCard(entry.name, entry.path, limits.max_model_len if limits else 0)
+        facts = await asyncio.to_thread(model_facts, entry.path)  # cached per file version after the first
+        if state is not None and state.manager.limits is not None:
+            context = state.manager.limits.max_model_len
+        else:  # not loaded: what the files say, within --max-model-len
+            context = min((c for c in (facts.context_length, pool.settings.engine.max_model_len) if c), default=0)
+        return ModelCard(entry.name, entry.path, context, facts)
 
     @app.get("/api/tags", dependencies=auth)
     async def tags() -> JSONResponse:
-        return JSONResponse({"models": [ollama_card(e).tag() for e in router.entries.values()]})
+        return JSONResponse({"models": [(await ollama_card(e)).tag() for e in router.entries.values()]})
 
     @app.get("/api/ps", dependencies=auth)
     async def ps() -> JSONResponse:
         running = []
         for entry in router.entries.values():
             if entry.state is ModelState.LOADED:
-                running.append({**ollama_card(entry).running(), "expires_at": _expires_at(entry, router.idle_unload_s),
-                                "size": entry.memory_bytes})
+                running.append({**(await ollama_card(entry)).running(),
+                                "expires_at": expires_at(entry, router.idle_unload_s), "size": entry.memory_bytes})
         return JSONResponse({"models": running})
 
+    @app.post("/api/show", dependencies=auth)
+    async def show(raw: Request) -> JSONResponse:
+        """From the files (a loaded model's own tokenizer and parsers when it is loaded): showing a
+        model never loads it, so never unloads another."""
+        try:
+            body = await read_body(raw)
+            name = body.get("model") or body.get("name")
+            if not isinstance(name, str):
+                raise InvalidRequest("model is required: the name of the model to show", param="model")
+            entry = router.find(name)
+            if entry is None:
+                raise unknown_model(name, list(router.entries), "/api/show")
+            card, state = await ollama_card(entry), engine_state(entry)
+            chat = state.chat if state is not None else pool.settings
+            tokenizer = state.manager.tokenizer if state is not None else None
+            template = getattr(tokenizer, "chat_template", None) or card.facts.chat_template or ""
+            return JSONResponse(card.show(template, chat.tool_parser is not None, chat.reasoning_parser is not None))
+        except Exception as exc:
+            return ollama_error(exc)
 
-def _expires_at(entry: ModelEntry, idle_unload_s: float | None) -> str:
+
+FOREVER = "2318-08-13T00:00:00Z"  # what Ollama shows for a model kept loaded (keep_alive -1)
+
+
+def expires_at(entry: ModelEntry, idle_unload_s: float | None) -> str:
     """When an idle model would unload, on the wall clock (Ollama's expires_at); far away: never."""
     if entry.in_flight or (entry.unload_at is None and idle_unload_s is None) or entry.unload_at == float("inf"):
-        return "2318-08-13T00:00:00Z"
+        return FOREVER
     deadline = entry.unload_at if entry.unload_at is not None else entry.last_used + (idle_unload_s or 0.0)
     wall = time.time() + (deadline - time.monotonic())
-    return datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    try:
+        return datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    except (OverflowError, ValueError, OSError):  # past year 9999 or the platform's time_t: never, as far as a date goes
+        return FOREVER
 
 
 __all__ = ["PoolDrain", "RoutedState", "current_state", "install_model_routes"]
