@@ -12,6 +12,7 @@ from tests.server.fake_server import client_of, fake_app
 from tokenmill.entrypoints import cli
 from tokenmill.entrypoints.openai.api_server import ServerConfig
 from tokenmill.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from tokenmill.model.default_model import default_model_path
 
 LIMIT = 1000
 
@@ -78,7 +79,7 @@ def test_bodies_under_the_limit_are_served_and_over_it_refused(app):
 def test_cli_flag_reaches_the_server_config(monkeypatch):
     seen: list[ServerConfig] = []
     monkeypatch.setattr("tokenmill.entrypoints.openai.api_server.run_server", lambda config: seen.append(config) or 0)
-    model = __file__  # any existing path: the server is not started
+    model = default_model_path()  # passes serve's file check; the server is not started
     assert cli.main(["serve", "--model", model, "--max-request-bytes", "12345"]) == 0
     assert cli.main(["serve", "--model", model]) == 0
     assert [c.max_request_bytes for c in seen] == [12345, DEFAULT_MAX_REQUEST_BYTES]

@@ -9,12 +9,13 @@ from tokenmill.entrypoints import cli
 from tokenmill.entrypoints.openai.api_server import ServerConfig, ServerState, build_app
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.frontend.tool_parsers import TOOL_PARSERS
+from tokenmill.model.default_model import default_model_path
 
 
 def test_cli_flag_reaches_the_server_config(monkeypatch):
     seen: list[ServerConfig] = []
     monkeypatch.setattr("tokenmill.entrypoints.openai.api_server.run_server", lambda config: seen.append(config) or 0)
-    model = __file__  # any existing path: the server is not started
+    model = default_model_path()  # passes serve's file check; the server is not started
     assert cli.main(["serve", "--model", model, "--tool-call-parser", "hermes"]) == 0
     assert cli.main(["serve", "--model", model]) == 0
     assert [c.tool_call_parser for c in seen] == ["hermes", None]
