@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from tokenmill.frontend.tokenizer_manager import TokenizerManager, _SeqState
+from tokenmill.frontend.sequences import SeqState
+from tokenmill.frontend.tokenizer_manager import TokenizerManager
 from tokenmill.ipc.messages import TextBatch, TextOutput
 
 
 def test_the_engines_last_output_after_a_stop_string_only_fills_the_record():
     queue: asyncio.Queue = asyncio.Queue()
-    state = _SeqState(queue, 0, arrival=0.0, record=False)
+    state = SeqState(queue, 0, arrival=0.0, record=False)
     engine_records: list[tuple[str, dict]] = []
     manager = SimpleNamespace(
         _states={"r-0": state}, last_text_time=None,

@@ -18,8 +18,9 @@ from tests.frontend.conftest import bundled_gguf_path
 from tokenmill.entrypoints.openai.api_server import ServerConfig, ServerState, build_app
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.frontend.request_timelines import TimelineRing
+from tokenmill.frontend.sequences import Seq
 from tokenmill.frontend.tokenizer import Tokenizer
-from tokenmill.frontend.tokenizer_manager import Seq, ServerStatus, TokenizerManager
+from tokenmill.frontend.tokenizer_manager import ServerStatus, TokenizerManager
 from tokenmill.ipc.messages import Logprob, SchedulerReady, TextOutput
 
 MODEL = "fake-model"

@@ -15,7 +15,8 @@ from tokenmill.entrypoints.openai.params import (
 )
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.errors import InvalidRequest
-from tokenmill.frontend.tokenizer_manager import RequestError, child_params
+from tokenmill.frontend.sequences import child_params
+from tokenmill.frontend.tokenizer_manager import RequestError
 from tokenmill.ipc.messages import AddRequest, ToScheduler
 from tokenmill.sample.sampling_params import OutputKind, SamplingParams
 

@@ -14,7 +14,7 @@ from tokenmill.entrypoints.openai.api_server import ServerConfig, ServerState, b
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.serving_chat import ChatServing
 from tokenmill.frontend.reasoning_parser import get_reasoning_parser
-from tokenmill.frontend.tokenizer_manager import Seq
+from tokenmill.frontend.sequences import Seq
 from tokenmill.ipc.messages import TextOutput
 
 THOUGHT = "The user asks for 2 + 2, which is 4."

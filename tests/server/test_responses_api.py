@@ -18,7 +18,7 @@ from tokenmill.entrypoints.openai.api_server import ServerConfig, ServerState, b
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.frontend.reasoning_parser import get_reasoning_parser
 from tokenmill.frontend.request_error import RequestError
-from tokenmill.frontend.tokenizer_manager import Seq
+from tokenmill.frontend.sequences import Seq
 from tokenmill.ipc.messages import TextOutput
 
 TOOLS = [{"type": "function", "name": n, "parameters": {"type": "object"}} for n in ("get_weather", "get_time")]

@@ -15,7 +15,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import msgspec
@@ -30,6 +29,7 @@ from tokenmill.frontend.output_merge import merge_pending
 from tokenmill.frontend.request_error import RequestError
 from tokenmill.frontend.request_limits import check_embedding_input, check_prompt
 from tokenmill.frontend.request_timelines import PromptStages, TimelineRing, frontend_view
+from tokenmill.frontend.sequences import Seq, SeqState
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.ipc.channels import MAIN, SCHEDULER, AsyncReceiver, IpcPaths, Sender
 from tokenmill.ipc.messages import (
@@ -70,44 +70,9 @@ class MetricsSink(Protocol):
     def observe_rejected(self, reason: str) -> None: ...
 
 
-@dataclass(frozen=True)
-class Seq:
-    """One engine request: a prompt and its (n=1) params. n samples of a prompt are n Seqs."""
-
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-class _SeqState:
-    __slots__ = ("queue", "index", "arrival", "last_time", "finished", "record", "num_output_tokens", "sent",
-                 "first_time", "stages")
-
-    def __init__(self, queue: asyncio.Queue, index: int, arrival: float, record: bool,
-                 stages: PromptStages | None = None) -> None:
-        self.stages = stages  # when its template was rendered and it was tokenized (request_timelines.py)
-        self.queue = queue
-        self.index = index
-        self.arrival = arrival
-        self.last_time: float | None = None
-        self.finished = False
-        self.record = record  # health probes stay out of the latency histograms
-        self.num_output_tokens = 0  # as last reported: the usage of a request ended by the server
-        self.sent: float | None = None  # when the AddRequest left (template and tokenization done)
-        self.first_time: float | None = None  # the first output's arrival
-
-
 def _ignore_result(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()  # retrieved, so asyncio does not log it as never retrieved
-
-
-def child_params(params: SamplingParams, k: int, all_prompt_logprobs: bool = False) -> SamplingParams:
-    """Sample k of n, as the offline API does it: seed + k, so samples differ yet stay reproducible;
-    prompt logprobs belong to the prompt, so only sample 0 computes them (unless every sample needs
-    its own copy, as a stream that echoes the prompt per choice does)."""
-    prompt_logprobs = params.prompt_logprobs if k == 0 or all_prompt_logprobs else None
-    return replace(params, n=1, seed=None if params.seed is None else params.seed + k, output_kind=OutputKind.DELTA,
-                   prompt_logprobs=prompt_logprobs)
 
 
 class TokenizerManager:
@@ -138,7 +103,7 @@ class TokenizerManager:
         # channels: (recv, send) of a data-parallel router (frontend/dp_router.py) standing in for one scheduler
         self._inbox, self._to_scheduler = channels or (AsyncReceiver(ctx, paths.address(MAIN), ToMain),
                                                        Sender(ctx, paths.address(SCHEDULER)))
-        self._states: dict[str, _SeqState] = {}
+        self._states: dict[str, SeqState] = {}
         self._scheduler_ready = asyncio.Event()
         self._detokenizer_ready = asyncio.Event()
         self._startup_failed = asyncio.Event()
@@ -338,7 +303,7 @@ class TokenizerManager:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         try:
             for i, (rid, seq) in enumerate(zip(rids, seqs)):
-                self._states[rid] = _SeqState(queue, i, arrival, not internal, stages)
+                self._states[rid] = SeqState(queue, i, arrival, not internal, stages)
                 try:
                     self._to_scheduler.send(AddRequest(rid, seq.prompt_token_ids, seq.params, cache_salt))
                     self._states[rid].sent = time.monotonic()
@@ -377,7 +342,7 @@ class TokenizerManager:
         vectors: list[bytes] = [b""] * len(rids)
         try:
             for i, (rid, ids) in enumerate(zip(rids, prompts)):
-                self._states[rid] = _SeqState(queue, i, time.monotonic(), False)
+                self._states[rid] = SeqState(queue, i, time.monotonic(), False)
                 self._to_scheduler.send(AddRequest(rid, list(ids), _EMBEDDING_PLACEHOLDER, pooling=pooling))
             left = len(rids)
             while left:
@@ -450,7 +415,7 @@ class TokenizerManager:
         elif isinstance(message, ProcessFailed):
             self.mark_unhealthy(f"the {message.process} process failed: {message.error}")
 
-    def _deliver(self, state: _SeqState, out: TextOutput, now: float) -> None:
+    def _deliver(self, state: SeqState, out: TextOutput, now: float) -> None:
         if state.record:
             self.live.observe(out, now, state.arrival, state.last_time)
             if out.queue_time is not None:

@@ -45,8 +45,9 @@ from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.chat_prompt_timing import timed_chat_prompt_ids
 from tokenmill.frontend.forced_calls import ForcedCallState
 from tokenmill.frontend.reasoning_parser import ReasoningState
+from tokenmill.frontend.sequences import Seq, child_params
 from tokenmill.frontend.tokenize_pool import run_tokenizer
-from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
+from tokenmill.frontend.tokenizer_manager import RequestError, TokenizerManager
 from tokenmill.frontend.tool_parsers import CallReader, ToolCall
 from tokenmill.ipc.messages import TextOutput
 

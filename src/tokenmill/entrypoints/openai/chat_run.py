@@ -29,8 +29,9 @@ from tokenmill.frontend.choice_events import ChoiceStream, Event
 from tokenmill.frontend.forced_calls import ForcedCallState
 from tokenmill.frontend.reasoning_parser import ReasoningParser, ReasoningState
 from tokenmill.frontend.request_timelines import prompt_stages
+from tokenmill.frontend.sequences import Seq, child_params
 from tokenmill.frontend.tokenize_pool import run_tokenizer
-from tokenmill.frontend.tokenizer_manager import RequestError, Seq, TokenizerManager, child_params
+from tokenmill.frontend.tokenizer_manager import RequestError, TokenizerManager
 from tokenmill.frontend.tool_parser_choice import choose_tool_parser, log_choice, markers_are_special
 from tokenmill.frontend.tool_parsers import CallReader, ToolParser
 from tokenmill.ipc.messages import TextOutput

@@ -46,9 +46,10 @@ from tokenmill.entrypoints.openai.serving_common import (
 )
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.request_timelines import prompt_stages
+from tokenmill.frontend.sequences import Seq, child_params
 from tokenmill.frontend.tokenize_pool import check_length_bound, run_tokenizer
 from tokenmill.frontend.tokenizer import Tokenizer
-from tokenmill.frontend.tokenizer_manager import RequestError, Seq, child_params
+from tokenmill.frontend.tokenizer_manager import RequestError
 from tokenmill.ipc.messages import Logprob, TextOutput
 from tokenmill.sample.sampling_params import SamplingParams
 
