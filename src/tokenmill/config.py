@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from tokenmill.errors import InvalidRequest
+from tokenmill.errors import InvalidRequest, is_int
 from tokenmill.model.quantization_modes import PROMPT_GEMMS, QUANTIZATIONS
 
 PRECISIONS = ("exact", "fast")
@@ -208,10 +208,10 @@ class EngineConfig:
         if not isinstance(self.kv_cache_disk_bytes, int) or self.kv_cache_disk_bytes < 1:
             raise InvalidRequest(f"kv_cache_disk_bytes must be an integer >= 1, got {self.kv_cache_disk_bytes!r}",
                                  param="kv_cache_disk_bytes")
-        if self.num_threads is not None and (not _is_int(self.num_threads) or self.num_threads < 1):
+        if self.num_threads is not None and (not is_int(self.num_threads) or self.num_threads < 1):
             raise InvalidRequest(f"num_threads must be an integer >= 1 (or left out: every core), got "
                                  f"{self.num_threads!r}", param="num_threads")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise InvalidRequest(f"seed must be an integer, got {self.seed!r}", param="seed")
         if self.kv_cache_dir is not None:
             if not isinstance(self.kv_cache_dir, str) or not self.kv_cache_dir:
@@ -230,7 +230,7 @@ class EngineConfig:
             raise InvalidRequest("enable_prefix_caching must be true or false", param="enable_prefix_caching")
         # A dict (from JSON between processes, or LLM(speculative={...})) becomes the config here.
         object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative))
-        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
             raise InvalidRequest(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}",
                                  param="max_model_len")
         self._check_tensor_parallel()
@@ -278,10 +278,6 @@ class EngineConfig:
         if unknown:
             raise InvalidRequest(f"unknown engine argument(s): {', '.join(unknown)}", param=unknown[0])
         return cls(**kwargs)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_writable_folder(path: str) -> None:

@@ -32,3 +32,8 @@ class ModelLoadError(TokenmillError):
 
     def __reduce__(self):
         return type(self), (self.path, self.problem)
+
+
+def is_int(value: object) -> bool:
+    """An integer parameter's check: True is an int to Python, not to a request (JSON's true is not 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)

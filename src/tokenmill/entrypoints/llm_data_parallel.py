@@ -80,14 +80,13 @@ class DataParallelEngines(InProcessLLM):
               pooling_params: PoolingParams | None = None) -> list[list[float]]:
         """LLM.embed across replicas: every replica embeds every N-th prompt; vectors in the caller's order."""
         items = _as_prompt_list(prompts)
-        if self._calls.closed:
-            raise RuntimeError("this LLM was shut down; create a new one")
         n = len(self.replicas)
-        futures = [replica.submit(_on_replica, *self._start, "embed", items[r::n], pooling_params)
-                   for r, replica in enumerate(self.replicas) if items[r::n]]
-        vectors: list[list[float]] = [[] for _ in items]
-        for r, future in enumerate(futures):
-            vectors[r::n] = future.result()
+        with self._calls.call():
+            futures = [replica.submit(_on_replica, *self._start, "embed", items[r::n], pooling_params)
+                       for r, replica in enumerate(self.replicas) if items[r::n]]
+            vectors: list[list[float]] = [[] for _ in items]
+            for r, future in enumerate(futures):
+                vectors[r::n] = future.result()
         return vectors
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None):

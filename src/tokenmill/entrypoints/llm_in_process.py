@@ -22,7 +22,7 @@ from tokenmill.engine.factory import build_engine_core
 from tokenmill.engine.memory_trim import malloc_trim
 from tokenmill.engine.request import RequestStatus
 from tokenmill.entrypoints.llm_calls import CallGuard
-from tokenmill.errors import InvalidRequest
+from tokenmill.errors import InvalidRequest, is_int
 from tokenmill.frontend.output_state import RequestOutputState
 from tokenmill.frontend.outputs import CompletionOutput, RequestOutput
 from tokenmill.frontend.tokenizer import Tokenizer
@@ -158,13 +158,13 @@ class InProcessLLM:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+                if not isinstance(ids, (list, tuple)) or not all(is_int(t) for t in ids):
                     raise InvalidRequest("prompt_token_ids must be a list of integer token ids", param="prompt_token_ids")
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt:
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
             raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
-        if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        if isinstance(prompt, list) and all(is_int(t) for t in prompt):
             return None, list(prompt)
         raise InvalidRequest(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
 
@@ -246,14 +246,10 @@ def _aborting(engine: EngineCore, request_ids: list[str]) -> Iterator[None]:
             engine.abort_request(rid)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, list) and prompts and all(_is_int(t) for t in prompts):
+    if isinstance(prompts, list) and prompts and all(is_int(t) for t in prompts):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise InvalidRequest(f"prompts must be a string, a list of token ids, a dict or a list of those, got "

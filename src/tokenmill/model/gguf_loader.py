@@ -25,9 +25,8 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model import gemma_files, moe_files
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.gguf_file import GGUFFile, SplitError, UnknownTensorType, read_gguf
+from tokenmill.model.gguf_metadata import GGUF_MAGIC
 from tokenmill.model.quant_formats import GGUFWeight, format_of
-
-GGUF_MAGIC = b"GGUF"
 
 # GGUF `general.architecture` -> registry key. Mistral GGUFs say "llama": llama.cpp converts them as llama.
 # Mixture-of-experts files: model/moe_files.py (a llama file with experts is mixtral).

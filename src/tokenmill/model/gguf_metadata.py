@@ -17,6 +17,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 _HEADER_BYTES = 24  # magic, version, tensor count, key-value count
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
@@ -50,7 +51,7 @@ def write_metadata_only(path: str, dest: str) -> None:
 def _key_count(f) -> int:
     """The header's key-value count, leaving `f` at the first key (ValueError if not a GGUF)."""
     head = f.read(_HEADER_BYTES)
-    if len(head) < _HEADER_BYTES or head[:4] != b"GGUF":
+    if len(head) < _HEADER_BYTES or head[:4] != GGUF_MAGIC:
         raise ValueError("not a GGUF file")
     return struct.unpack_from("<Q", head, 16)[0]
 

@@ -17,7 +17,8 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model import gemma_files
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.default_model import default_model_path
-from tokenmill.model.gguf_loader import GGUF_MAGIC, load_gguf, read_gguf_config
+from tokenmill.model.gguf_loader import load_gguf, read_gguf_config
+from tokenmill.model.gguf_metadata import GGUF_MAGIC
 from tokenmill.model.hf_loader import load_hf, read_config
 from tokenmill.model.moe_config import moe_shapes
 from tokenmill.model.quant_formats import GGUFWeight

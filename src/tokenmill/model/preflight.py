@@ -15,8 +15,6 @@ import os
 
 from tokenmill.errors import ModelLoadError
 
-GGUF_MAGIC = b"GGUF"
-
 
 def check_model_path(path: str) -> None:
     """Raises ModelLoadError naming the problem if `path` cannot be a model tokenmill loads: missing,
@@ -28,6 +26,10 @@ def check_model_path(path: str) -> None:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelLoadError(path, "not a GGUF file and not a folder with config.json")
         return
+    # Here, not at the top: the API process imports this module (the model pool) and needs numpy
+    # only once it checks a GGUF.
+    from tokenmill.model.gguf_metadata import GGUF_MAGIC, read_gguf_metadata
+
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -37,10 +39,6 @@ def check_model_path(path: str) -> None:
         raise ModelLoadError(path, "the file is empty")
     if magic != GGUF_MAGIC:
         raise ModelLoadError(path, f"not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
-    # Here, not at the top: the API process imports this module (the model pool) and needs numpy
-    # only once it checks a GGUF.
-    from tokenmill.model.gguf_metadata import read_gguf_metadata
-
     try:
         meta = read_gguf_metadata(path)
     except Exception as e:  # struct, unicode, numpy: a header cut short or damaged

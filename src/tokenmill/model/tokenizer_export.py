@@ -152,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="absolute path of a .gguf file or a Hugging Face model folder")
     parser.add_argument("out", help="the JSON file to write (the tokenizer, or the error)")
     args = parser.parse_args(argv)
-    if not os.path.isdir(os.path.dirname(args.out)):  # the server stopped waiting and cleaned up: no reader
-        return 1
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s tokenizer-export[%(process)d] %(name)s: %(message)s")
     try:
@@ -165,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.exception("building the tokenizer of %s failed", args.model)
         write(args.out, None, f"{type(exc).__name__}: {exc}")
         return 1
-    if not os.path.isdir(os.path.dirname(args.out)):
+    if not os.path.isdir(os.path.dirname(args.out)):  # the server stopped waiting and cleaned up: no reader
         return 1
     write(args.out, files)
     return 0

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.errors import InvalidRequest
+from tokenmill.errors import InvalidRequest, is_int
 
 # Keeps the per-step top-N logprob gather cheap; vLLM caps it at 20 by default too.
 MAX_LOGPROBS = 20
@@ -131,17 +131,17 @@ class SamplingParams:
         def bad(param: str, why: str) -> InvalidRequest:
             return InvalidRequest(f"{param} {why}", param=param)
 
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+        if not is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
             raise bad("n", f"must be an integer from 1 to {MAX_SAMPLES}, got {self.n!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", f"must be a number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", f"must be -1 or 0 (disabled) or an integer >= 1, got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
@@ -155,18 +155,18 @@ class SamplingParams:
                 raise bad(name, f"must be in [-2, 2], got {value!r}")
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
-                if not _is_int(token_id) or token_id < 0:
+                if not is_int(token_id) or token_id < 0:
                     raise bad("logit_bias", f"keys must be token ids >= 0, got {token_id!r}")
                 if not _is_number(bias) or not -100.0 <= bias <= 100.0:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {bias!r} for token {token_id}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         # torch.Generator.manual_seed takes a 64-bit value; outside it, it fails with a bare overflow.
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", f"must fit in 64 bits, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -174,11 +174,11 @@ class SamplingParams:
                 raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         for name in ("stop_token_ids", "bad_words_token_ids"):
             ids = getattr(self, name)
-            if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids)):
+            if ids is not None and (not isinstance(ids, list) or not all(is_int(t) and t >= 0 for t in ids)):
                 raise bad(name, "must be a list of token ids >= 0")
-        if not _is_int(self.stream_interval) or self.stream_interval < 1:
+        if not is_int(self.stream_interval) or self.stream_interval < 1:
             raise bad("stream_interval", f"must be an integer >= 1, got {self.stream_interval!r}")
-        if not _is_int(self.priority) or not -(2**63) <= self.priority < 2**63:
+        if not is_int(self.priority) or not -(2**63) <= self.priority < 2**63:
             raise bad("priority", f"must be a 64-bit integer, got {self.priority!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):
             raise bad("structured_output", "must be a StructuredOutputParams")
@@ -203,5 +203,3 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not to us
