@@ -24,6 +24,7 @@ from tokenmill.entrypoints.openai.model_pool import PoolSettings
 from tokenmill.entrypoints.openai.model_routing import (
     FOREVER,
     ModelRoutingMiddleware,
+    _body_fields,
     current_state,
     expires_at,
     install_model_routes,
@@ -96,6 +97,28 @@ def test_a_model_that_is_not_a_string_is_refused_before_anything_loads():
     assert anthropic.status_code == 400 and anthropic.json()["type"] == "error"
     assert pool.acquired == []  # not the default model, nor any other
     assert post(pool, "/v1/completions", {"prompt": "hi"}).json()["model"] == "a"  # none named: the default
+
+
+def post_raw(pool: FakePool, path: str, content: bytes) -> httpx.Response:
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=ModelRoutingMiddleware(echo, pool, None))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post(path, content=content, headers={"content-type": "application/json"})
+    return asyncio.run(main())
+
+
+def test_a_body_that_is_not_a_json_object_is_refused_before_anything_loads():
+    pool = two_models()
+    for content, words in ((b'{"model": "a", "prompt": ', "not valid JSON"), (b"\xff\xfe", "not valid JSON"),
+                           (b'["a"]', "must be a JSON object"), (b'"a"', "must be a JSON object")):
+        reply = post_raw(pool, "/v1/completions", content)
+        assert reply.status_code == 400 and words in reply.json()["error"]["message"], content
+        ollama = post_raw(pool, "/api/generate", content)
+        assert ollama.status_code == 400 and words in ollama.json()["error"], content
+        anthropic = post_raw(pool, "/v1/messages", content)
+        assert anthropic.status_code == 400 and anthropic.json()["type"] == "error", content
+    assert pool.acquired == []  # the default model did not load to say so
+    assert _body_fields(b"") == {}  # an empty body is Ollama's {}: the default model, not a 400
 
 
 def test_an_ollama_tag_on_an_openai_route_is_served_by_that_model():

@@ -8,9 +8,10 @@ single-model routes, unchanged: they reach `server.chat`, `server.manager`, ... 
 which answers with the current request's model. The request counts as in flight until its response
 has been sent (a stream's last byte included), so its model cannot be unloaded under it.
 
-A request its route would refuse before looking at the model loads nothing: a `model` that is not
-a string is answered 400 here. Ollama's `NAME:latest` means NAME on every route (the body handed on
-names NAME, so an OpenAI route serves it rather than loading the model and answering 404).
+A request its route would refuse before looking at the model loads nothing: a body that is not a
+JSON object, or a `model` that is not a string, is answered 400 here. Ollama's `NAME:latest` means
+NAME on every route (the body handed on names NAME, so an OpenAI route serves it rather than loading
+the model and answering 404).
 
 The routes that speak of every model (/health, /v1/models, /metrics, timelines, /api/tags, /api/ps,
 /api/show) are registered here ahead of their single-model versions, which they shadow; they read
@@ -108,6 +109,18 @@ def _error(path: str, error: RequestError) -> tuple[dict[str, Any], int]:
     return error_body(error.message, error.status, error.param, error.code), error.status
 
 
+def _body_fields(body: bytes) -> dict[str, Any]:
+    """The body's top-level fields (an empty body: none, the default model). A body that is not a JSON
+    object is answered 400 here, in Ollama's routes' words: refusing it must not load a model."""
+    try:
+        fields = json.loads(body or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}", 400) from None
+    if not isinstance(fields, dict):
+        raise RequestError("the request body must be a JSON object", 400)
+    return fields
+
+
 def unknown_model(name: str, names: list[str], path: str) -> RequestError:
     served = ", ".join(repr(n) for n in names)
     if path.startswith("/api/"):
@@ -197,11 +210,7 @@ class ModelRoutingMiddleware:
 
     def _choose(self, path: str, body: bytes) -> tuple[ModelEntry, float | None, bytes]:
         """The model, the request's keep_alive, and the body to hand on (naming the model as served)."""
-        try:
-            fields = json.loads(body or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            fields = {}  # the route itself answers the malformed body (with the default model)
-        fields = fields if isinstance(fields, dict) else {}
+        fields = _body_fields(body)
         name = fields.get("model")
         if name is not None and not isinstance(name, str):  # the route's 400, before anything loads
             raise RequestError(f"model must be a string, got {type(name).__name__}", 400, "model")
