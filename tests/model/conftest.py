@@ -16,11 +16,12 @@ AMX_ONE_TERM = frozenset({"Q8_0", "Q6_K"})
 
 def one_term_slack(*kinds: str) -> float:
     """The factor on a tolerance between two paths of a fast model whose weights include these kinds
-    ("int8": a dense checkpoint quantized at load into Q8_0's blocks): 3 where the one-term tiles run,
-    since a last-bit difference upstream then moves an activation by a bf16 step (2^-8 of it) instead
-    of ~2^-16 (measured: 1.3-1.9x the two terms' tolerances on the tiny models), else 1."""
-    one_term = any(kind in AMX_ONE_TERM or kind == "int8" for kind in kinds)
-    return 3.0 if one_term and quant_kernel.amx_available() else 1.0
+    ("int8": a dense checkpoint quantized at load into Q8_0's blocks): 3 where one-term products run
+    (the AMX tiles; Q8_0's vector tiles on AVX512-BF16 without AMX), since a last-bit difference
+    upstream then moves an activation by a bf16 step (2^-8 of it) instead of ~2^-16 (measured:
+    1.3-1.9x the two terms' tolerances on the tiny models), else 1."""
+    kinds = tuple("Q8_0" if kind == "int8" else kind for kind in kinds)
+    return 3.0 if any(quant_kernel.one_term_rows(kind) is not None for kind in kinds) else 1.0
 
 
 BLOCKED_KERNELS = [name for name, ok in (("vnni", quant_kernel.vnni_available()),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model.conftest import AMX_ONE_TERM, BLOCKED_KERNELS
+from tests.model.conftest import BLOCKED_KERNELS
 from tokenmill.model import blocked_formats
 from tokenmill.model.kernels import cpu_isa, quant_kernel
 from tokenmill.model.layers.quantized_linear import (
@@ -95,10 +95,11 @@ def one_term_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_bound(x: torch.Tensor, w: torch.Tensor, kind: str, kernel: str) -> torch.Tensor:
-    """The bound of `blocked_linear(x)` on `kernel`: the two int8 terms', or one_term_bound where the
-    AMX tiles take the rows of a one-term format (their two bf16 terms are within two_term_bound)."""
-    amx = kernel == "vnni" and quant_kernel.amx_available() and x.shape[0] >= torch.ops.tokenmill_vnni.amx_min_rows()
-    return one_term_bound(x, w) if amx and kind in AMX_ONE_TERM else two_term_bound(x, w)
+    """The bound of `blocked_linear(x)` on `kernel`: the two int8 terms', or one_term_bound where
+    one-term products take the rows (quant_kernel.one_term_rows: the AMX tiles' Q8_0 and Q6_K, the
+    vector tiles' Q8_0; the AMX tiles' two bf16 terms are within two_term_bound)."""
+    rows = quant_kernel.one_term_rows(kind) if kernel == "vnni" else None
+    return one_term_bound(x, w) if rows is not None and x.shape[0] >= rows else two_term_bound(x, w)
 
 
 @pytest.mark.parametrize("kind", TYPES)

@@ -17,7 +17,7 @@ from tokenmill.model.fused_decode import FusedDecodeStack
 from tokenmill.model.kernels import decode_step, quant_kernel
 from tokenmill.model.kv_cache_format import KVCacheFormat
 from tokenmill.model.layers.quantized_linear import BLOCKED_DENSE_MIN_ROWS
-from tokenmill.model.runner import ModelRunner, SeqChunk
+from tokenmill.model.runner import BF16_PROMPT_MIN_ROWS, ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.skipif(not decode_step.available(), reason="needs the C++ kernels and a blocked kernel")
 
@@ -235,8 +235,7 @@ def test_prompt_steps_take_the_path_of_their_format(fast_runner):
     amx_min_rows() rows) take bf16 activations as they are, else fp32. The engine setting puts every
     format on one path."""
     model = fast_runner().model
-    on_tiles = quant_kernel.blocked_kernel() == "vnni" and quant_kernel.amx_available()
-    tiles = quant_kernel.amx_min_rows() if on_tiles else None
+    tiles = quant_kernel.one_term_rows("Q8_0")  # the AMX tiles', or the vector tiles' without AMX
     one_term = fast_runner.kind in ("Q8_0", "int8")
     if fast_runner.kind == "Q4_1":
         assert model.bf16_rows == BLOCKED_DENSE_MIN_ROWS
@@ -249,15 +248,17 @@ def test_prompt_steps_take_the_path_of_their_format(fast_runner):
 
 
 def test_one_term_tiles_take_bf16_activations_bit_for_bit(fast_runner):
-    """Q8_0 weights (and int8, quantized into Q8_0 blocks) on the AMX tiles multiply bf16(x) alone:
+    """Q8_0 weights (and int8, quantized into Q8_0 blocks) on the tiles multiply bf16(x) alone:
     a prompt step handing them bf16 activations (norms, attention and the silu epilogue writing bf16)
     gives exactly the logits of float32 activations rounded by each linear."""
-    if fast_runner.kind == "Q4_1" or not (quant_kernel.blocked_kernel() == "vnni" and quant_kernel.amx_available()):
-        pytest.skip("the tiles take bf16 as it is only for one-term formats on AMX")
+    if fast_runner.kind == "Q4_1" or quant_kernel.one_term_rows("Q8_0") is None:
+        pytest.skip("the tiles take bf16 as it is only for one-term formats (AMX, or AVX512-BF16's vector tiles)")
     runner = fast_runner(prompt_gemm="vnni")
     model = runner.model
-    assert model.bf16_rows == quant_kernel.amx_min_rows() and all(model.bf16_layers)
-    first = runner.max_rows_as_decode + 1  # shorter prompts are one fused C++ call (decode rows)
+    assert model.bf16_rows == quant_kernel.one_term_rows("Q8_0") and all(model.bf16_layers)
+    # shorter prompts are one fused C++ call (decode rows: up to BF16_PROMPT_MIN_ROWS - 1 where prompts
+    # attend on the AMX tiles, else any length, but the fused stack takes fewer rows than these)
+    first = min(runner.max_rows_as_decode, BF16_PROMPT_MIN_ROWS - 1) + 1
     for n in (first, first + 21):  # whole tiles of rows; a partial last tile
         chunk = [SeqChunk(ids(n, seed=n), 0, list(range(0, 16)), sample=True, all_logits=True)]
         got = runner.execute(chunk)

@@ -9,8 +9,9 @@ kernel's 2.05, and made a whole 2,048-token prompt 1.8x faster (docs/benchmarks.
 on AMX"). Our own tile kernel (csrc/prompt_flash_amx.h, reading K/V from the cache's pages) is
 1.3-2.25x torch's there, most at a long chunk after its prefix ("Our own prompt attention on the
 tiles"); torch's stays the path where that kernel is not built. Without AMX the paged kernel is kept:
-on Zen 5 it ran 0.72 ms a layer at 512 (session 12), and SDPA there is not measured yet
-(TOKENMILL_PROMPT_ATTENTION=sdpa is how to).
+on Zen 5 it ran 0.72 ms a layer at 512 (session 12), and on Zen 4 whole prompts of the Q8_0 mix took
+362-420 ms (512 tokens) and 1.94-2.08 s (2,048) on it against 478-533 ms and 2.67-2.96 s with
+TOKENMILL_PROMPT_ATTENTION=sdpa (docs/benchmarks.md, session 38).
 
 What it computes is the kernel's arithmetic in another order: bf16 queries, keys and values, fp32
 scores and softmax, bf16 weights times bf16 values summed in fp32. K/V come from the pages the step has

@@ -15,7 +15,7 @@
 // rope, silu_mul, store_row (a K or V row into a cache), isa / attention (the attention variant and
 // the plan's lanes).
 //
-// Needs fused_ops.h, paged_attention.h, quant_vnni.h, quant_amx.h, quant_amx8.h and quant_avx2.h included
+// Needs fused_ops.h, paged_attention.h, quant_vnni.h, quant_amx.h, quant_amx8.h, quant_bf16_vec.h and quant_avx2.h included
 // first.
 
 #include <immintrin.h>
@@ -35,13 +35,15 @@ struct Avx512Kit {
   static bool supported() { return tm_fused::use_avx512() && tm_vnni::vnni_supported(); }
 
   // All of a's rows on the AMX-BF16 tiles where a carries them split (make_scratch: a step of
-  // tm_amx::kAmxMinRows+ rows on a CPU with AMX), or on the AMX-INT8 tiles where a carries them
-  // rounded for those and the format folds (a step of tm_amx8::kAmx8MinRows+), the VNNI kernel
-  // otherwise (an expert's rows, the other formats).
+  // tm_amx::kAmxMinRows+ rows on a CPU with AMX; without AMX, from tm_amx::kVecMinRows rows, Q8_0's
+  // vector tiles), or on the AMX-INT8 tiles where a carries them rounded for those and the format
+  // folds (a step of tm_amx8::kAmx8MinRows+), the VNNI kernel otherwise (an expert's rows, the other
+  // formats).
   static void blocks(const tm_vnni::Weights& w, const tm_vnni::Acts& a, int64_t m0, int64_t m1, int64_t N,
                      int64_t nb0, int64_t nb1, float* y) {
     const bool all = m0 == 0 && m1 == a.M;
-    if (a.split.hi != nullptr && all) tm_amx::blocks(w, a.split, a.M, nb0, nb1, y, N);
+    if (a.split.hi != nullptr && all && tm_amx::amx_ready()) tm_amx::blocks(w, a.split, a.M, nb0, nb1, y, N);
+    else if (a.split.hi != nullptr && all && tm_amx::vec_takes(w)) tm_amx::vec_blocks(w, a.split, a.M, nb0, nb1, y, N);
 #if TM_AMX_COMPILES
     else if (a.amx8.q != nullptr && all && tm_amx8::folds(w.fmt)) tm_amx8::blocks(w, a.amx8, nb0, nb1, y, N);
 #endif

@@ -21,6 +21,7 @@
 #include "quant_amx.h"
 #include "quant_amx8.h"
 #include "quant_avx2.h"
+#include "quant_bf16_vec.h"
 #include "quant_vnni.h"
 #include "decode_phases.h"
 #include "decode_row_phases.h"

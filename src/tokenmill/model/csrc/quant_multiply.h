@@ -1,14 +1,18 @@
 #pragma once
 // y = x @ W^T on the column-blocked weights for any number of rows: the VNNI kernel (quant_vnni.h),
-// AMX-BF16 tiles (quant_amx.h) for two-term steps of many rows where the CPU has them, or AMX-INT8
-// tiles (quant_amx8.h) for steps of a few dozen rows of the formats whose sub-block scales fold.
+// AMX-BF16 tiles (quant_amx.h) for two-term steps of many rows where the CPU has them (else, for Q8_0,
+// their one-term products on AVX512-BF16: quant_bf16_vec.h), or AMX-INT8 tiles (quant_amx8.h) for
+// steps of a few dozen rows of the formats whose sub-block scales fold.
 //
 // Why a header: the linear ops (quant_vnni.cpp) and the MoE experts op (moe_experts.cpp), which runs
 // it for one expert on each thread, call the same function, so both compute the same bits.
 
+#include <ATen/ops/cat.h>
+
 #include "blocked_ops.h"
 #include "quant_amx_calls.h"
 #include "quant_amx8.h"
+#include "quant_bf16_vec.h"
 #include "quant_vnni.h"
 
 namespace tm_vnni {
@@ -27,6 +31,17 @@ at::Tensor multiply(const at::Tensor& x_in, const std::vector<Weights>& w, const
   const int64_t M = x_in.size(0), K = x_in.size(1), nblocks = block0.back(), N = nblocks * kCols;
   if (!amx8 && amx && terms == 2 && M >= tm_amx::kAmxMinRows && tm_amx::amx_ready())
     return tm_amx::multiply(x_in, w, block0, two_tile_terms);
+  if (!amx8 && amx && terms == 2 && !two_tile_terms && M >= tm_amx::kVecMinRows && tm_amx::vec_ready()) {
+    // No AMX: its one-term products on AVX512-BF16 for the parts that take them (Q8_0), each part as it
+    // runs alone (a fused q / k / v of Q8_0 and Q5_0: the parts one by one, side by side)
+    if (tm_amx::vec_takes(w)) return tm_amx::multiply_vec(x_in, w, block0);
+    if (w.size() > 1 && std::any_of(w.begin(), w.end(), [](const Weights& wi) { return tm_amx::vec_takes(wi); })) {
+      std::vector<at::Tensor> ys;
+      for (size_t i = 0; i < w.size(); ++i)
+        ys.push_back(multiply(x_in, {w[i]}, {0, block0[i + 1] - block0[i]}, terms, amx, amx8, two_tile_terms));
+      return at::cat(ys, 1);
+    }
+  }
   const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in : x_in.to(at::kFloat);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;

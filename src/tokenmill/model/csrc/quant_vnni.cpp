@@ -23,6 +23,15 @@ at::Tensor linear_amx(const at::Tensor& x_in, const at::Tensor& codes, const at:
   return tm_amx::multiply(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols}, two_tile_terms);
 }
 
+// The same on AVX512-BF16's vector tiles at any row count (tests and benchmarks; `linear` takes them
+// from tm_amx::kVecMinRows rows where the CPU has no AMX): Q8_0 only (tm_amx::vec_takes).
+at::Tensor linear_vec(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                      const at::Tensor& subs, int64_t fmt, int64_t N) {
+  TORCH_CHECK(tm_amx::vec_capable(), "this process cannot run the bf16 vector tiles (no AVX512-BF16)");
+  const at::Tensor x = checked_x(x_in, 2, true);
+  return tm_amx::multiply_vec(x, {check(codes, scales, mins, subs, fmt, N, x.size(1))}, {0, N / kCols});
+}
+
 // silu(x @ gate^T) * (x @ up^T) [M, N / 2] for a gate and up projection stacked in one weight (N rows,
 // the gate's first) on AMX-BF16 tiles, the product's epilogue (tm_amx::multiply_silu_mul); where
 // silu_mul_fuses says so.
@@ -46,11 +55,14 @@ bool silu_mul_fuses(int64_t fmt, int64_t N, int64_t K) {
 }
 
 // Whether the AMX-BF16 tiles take a bfloat16 x of this weight as it is (its own hi term: one term, no
-// mins; quant_amx_calls.h `needs_of`), so that a caller holding bf16 activations converts nothing.
+// mins; quant_amx_calls.h `needs_of`), or without AMX the vector tiles (Q8_0; quant_bf16_vec.h), so
+// that a caller holding bf16 activations converts nothing.
 bool tiles_take_bf16(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& subs,
                      int64_t fmt, int64_t N, int64_t K, bool two_tile_terms) {
-  if (!vnni_supported() || !tm_amx::amx_ready()) return false;
-  const tm_amx::SplitNeeds needs = tm_amx::needs_of(check(codes, scales, mins, subs, fmt, N, K), two_tile_terms);
+  if (!vnni_supported()) return false;
+  const Weights w = check(codes, scales, mins, subs, fmt, N, K);
+  if (!tm_amx::amx_ready()) return tm_amx::vec_ready() && !two_tile_terms && tm_amx::vec_takes(w);
+  const tm_amx::SplitNeeds needs = tm_amx::needs_of(w, two_tile_terms);
   return !needs.lo && !needs.sums;
 }
 
@@ -193,6 +205,11 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, co
 
 bool supported() { return vnni_supported(); }
 bool amx_supported() { return vnni_supported() && tm_amx::amx_ready(); }
+// Whether `linear` runs Q8_0 steps of vec_min_rows()+ rows on the bf16 vector tiles here (no AMX).
+bool vec_supported() { return vnni_supported() && tm_amx::vec_ready(); }
+// Whether linear_vec runs here at all (AVX512-BF16; AMX CPUs too, where `linear` takes the tiles).
+bool vec_capable() { return vnni_supported() && tm_amx::vec_capable(); }
+int64_t vec_min_rows() { return tm_amx::kVecMinRows; }
 bool amx8_supported() { return vnni_supported() && tm_amx8::ready(); }
 int64_t amx_min_rows() { return tm_amx::kAmxMinRows; }
 
@@ -212,6 +229,8 @@ TORCH_LIBRARY(tokenmill_vnni, m) {
   m.def("linear_amx(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N, "
         "bool two_tile_terms=False) -> Tensor",
         &linear_amx);
+  m.def("linear_vec(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N) -> Tensor",
+        &linear_vec);
   m.def("linear_amx8(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N) -> Tensor",
         &linear_amx8);
   m.def("linear_silu_mul(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor subs, int fmt, int N) -> Tensor",
@@ -223,4 +242,7 @@ TORCH_LIBRARY(tokenmill_vnni, m) {
   m.def("amx8_supported() -> bool", &amx8_supported);
   m.def("amx_supported() -> bool", &amx_supported);
   m.def("amx_min_rows() -> int", &amx_min_rows);
+  m.def("vec_supported() -> bool", &vec_supported);
+  m.def("vec_capable() -> bool", &vec_capable);
+  m.def("vec_min_rows() -> int", &vec_min_rows);
 }

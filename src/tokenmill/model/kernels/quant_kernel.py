@@ -67,6 +67,29 @@ def amx_min_rows() -> int:
     return int(torch.ops.tokenmill_vnni.amx_min_rows())
 
 
+def vec_available() -> bool:
+    """Whether Q8_0 steps of vec_min_rows()+ rows run the AMX tiles' one-term products on AVX512-BF16's
+    vector dot products here (csrc/quant_bf16_vec.h: bf16 dot products and no AMX, e.g. AMD Zen 4)."""
+    return vnni_available() and bool(torch.ops.tokenmill_vnni.vec_supported())
+
+
+def vec_min_rows() -> int:
+    """From how many rows Q8_0 steps take those products (where vec_available())."""
+    return int(torch.ops.tokenmill_vnni.vec_min_rows())
+
+
+def one_term_rows(kind: str) -> int | None:
+    """From how many rows `blocked_linear` multiplies a weight of GGUF type `kind` by bf16(x) alone (one
+    activation term: the AMX tiles' Q8_0 and Q6_K, the vector tiles' Q8_0), or None where it never does."""
+    if blocked_kernel() != "vnni":
+        return None
+    if amx_available() and kind in ("Q8_0", "Q6_K"):
+        return amx_min_rows()
+    if vec_available() and kind == "Q8_0":
+        return vec_min_rows()
+    return None
+
+
 def amx8_available() -> bool:
     """Whether two-term steps of a few dozen rows of the super-block formats run on AMX-INT8 tiles here
     (csrc/quant_amx8.h)."""
@@ -116,11 +139,18 @@ def bound_blocked_silu_mul(w: BlockedWeight):
     return lambda x: op(x, *args)
 
 
+def tiles_min_rows() -> int:
+    """From how many rows a step's one-term formats take tiles: the AMX tiles' amx_min_rows(), else the
+    vector tiles' vec_min_rows()."""
+    return amx_min_rows() if amx_available() else vec_min_rows()
+
+
 def tiles_take_bf16(w: BlockedWeight, two_tile_terms: bool = False) -> bool:
-    """Whether the AMX-BF16 tiles (steps of amx_min_rows()+ rows) read a bfloat16 input of `w` as it
-    is, with the same results as its float32 values: formats whose tiles take hi = bf16(x) alone and
-    have no mins (Q8_0, Q6_K; csrc/quant_amx_calls.h `needs_of`). False where there are no tiles."""
-    if blocked_kernel() != "vnni" or not amx_available():
+    """Whether the tiles (steps of tiles_min_rows()+ rows) read a bfloat16 input of `w` as it is, with
+    the same results as its float32 values: formats whose tiles take hi = bf16(x) alone and have no
+    mins (AMX: Q8_0, Q6_K, csrc/quant_amx_calls.h `needs_of`; the vector tiles without AMX: Q8_0).
+    False where there are no tiles."""
+    if blocked_kernel() != "vnni" or not (amx_available() or vec_available()):
         return False
     return bool(torch.ops.tokenmill_vnni.tiles_take_bf16(*blocked_args(w), w.shape[1], two_tile_terms))
 

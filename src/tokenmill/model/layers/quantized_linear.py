@@ -87,12 +87,13 @@ class QuantizedLinear:
         self._silu_mul = (quant_kernel.bound_blocked_silu_mul(weight)
                           if self._blocked is not None and bias is None and not two_tile_terms else None)
         self._silu_mul_rows = quant_kernel.amx_min_rows() if self._silu_mul is not None else NEVER_DENSE
-        # From how many rows the AMX tiles read a bf16 input as it is (Q8_0, Q6_K: no conversion pass,
-        # the same results as its float32 values); None where no call does.
+        # From how many rows the tiles read a bf16 input as it is (AMX: Q8_0, Q6_K; the vector tiles
+        # without AMX: Q8_0; no conversion pass, the same results as its float32 values); None where no
+        # call does.
         takes_bf16 = (self._blocked is not None and bias is None
                       and quant_kernel.tiles_take_bf16(weight, two_tile_terms=two_tile_terms))
-        self._tiles_bf16_rows = (quant_kernel.amx_min_rows()
-                                 if takes_bf16 and quant_kernel.amx_min_rows() < self._gemm_rows else None)
+        self._tiles_bf16_rows = (quant_kernel.tiles_min_rows()
+                                 if takes_bf16 and quant_kernel.tiles_min_rows() < self._gemm_rows else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._blocked is not None and x.shape[0] < self._gemm_rows and self.bias is None:
