@@ -150,7 +150,9 @@ inline Scratch make_scratch(const StackBase& s, int64_t T, int64_t partial_size,
   // Without AMX, a step of tm_amx::kVecMinRows+ rows splits them too, for its Q8_0 weights' one-term
   // vector tiles (quant_bf16_vec.h), as the op-by-op linear does; the other formats read the int8 terms.
   const bool vec = amx_kit && !split && T >= tm_amx::kVecMinRows && tm_amx::vec_ready();
-  const int64_t n_split = split || vec ? tm_amx::split_floats(T, max_k) + 16 : 0;
+  // (the vector tiles read hi alone: no lo term, no sums)
+  const tm_amx::SplitNeeds needs = vec ? tm_amx::SplitNeeds{false, false} : tm_amx::SplitNeeds{};
+  const int64_t n_split = split || vec ? tm_amx::split_floats(T, max_k, needs) + 16 : 0;
   // Fewer rows, from tm_amx8::kAmx8MinRows: each row also as two int8 terms per 256 inputs, for the
   // AMX-INT8 tiles of the formats that fold (quant_amx8.h), where K is whole super-blocks.
   const bool amx8 = amx_kit && !split && !vec && T >= tm_amx8::kAmx8MinRows && tm_amx8::ready();
@@ -175,9 +177,9 @@ inline Scratch make_scratch(const StackBase& s, int64_t T, int64_t partial_size,
   b.a_inter = tm_vnni::make_acts(acts_base, T, s.inter, kTerms);
   float* tiles_base = tm_amx::align64(acts_base + n_acts);  // the split's or the AMX-INT8 terms' (one of them)
   if (split || vec) {
-    b.a_hidden.split = tm_amx::make_split(tiles_base, T, s.hidden);
-    b.a_attn.split = tm_amx::make_split(tiles_base, T, s.nq * s.hd);
-    b.a_inter.split = tm_amx::make_split(tiles_base, T, s.inter);
+    b.a_hidden.split = tm_amx::make_split(tiles_base, T, s.hidden, needs);
+    b.a_attn.split = tm_amx::make_split(tiles_base, T, s.nq * s.hd, needs);
+    b.a_inter.split = tm_amx::make_split(tiles_base, T, s.inter, needs);
   }
   if (split) {
     b.a_hidden.int8 = hidden_int8;  // every other reader of these takes all T rows: the split
