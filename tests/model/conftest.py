@@ -14,6 +14,19 @@ from tokenmill.model.kernels import quant_kernel
 AMX_ONE_TERM = frozenset({"Q8_0", "Q6_K"})
 
 
+def one_term_rows(kind: str) -> int | None:
+    """From how many rows `blocked_linear` multiplies a weight of GGUF type `kind` by bf16(x) alone (one
+    activation term: the AMX tiles' Q8_0 and Q6_K, the vector tiles' Q8_0 without AMX), or None where
+    it never does."""
+    if quant_kernel.blocked_kernel() != "vnni":
+        return None
+    if quant_kernel.amx_available() and kind in AMX_ONE_TERM:
+        return quant_kernel.amx_min_rows()
+    if quant_kernel.vec_available() and kind == "Q8_0":
+        return quant_kernel.vec_min_rows()
+    return None
+
+
 def one_term_slack(*kinds: str) -> float:
     """The factor on a tolerance between two paths of a fast model whose weights include these kinds
     ("int8": a dense checkpoint quantized at load into Q8_0's blocks): 3 where one-term products run
@@ -21,7 +34,7 @@ def one_term_slack(*kinds: str) -> float:
     upstream then moves an activation by a bf16 step (2^-8 of it) instead of ~2^-16 (measured:
     1.3-1.9x the two terms' tolerances on the tiny models), else 1."""
     kinds = tuple("Q8_0" if kind == "int8" else kind for kind in kinds)
-    return 3.0 if any(quant_kernel.one_term_rows(kind) is not None for kind in kinds) else 1.0
+    return 3.0 if any(one_term_rows(kind) is not None for kind in kinds) else 1.0
 
 
 BLOCKED_KERNELS = [name for name, ok in (("vnni", quant_kernel.vnni_available()),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model.conftest import BLOCKED_KERNELS
+from tests.model.conftest import BLOCKED_KERNELS, one_term_rows
 from tokenmill.model import blocked_formats
 from tokenmill.model.kernels import cpu_isa, quant_kernel
 from tokenmill.model.layers.quantized_linear import (
@@ -96,9 +96,9 @@ def one_term_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def kernel_bound(x: torch.Tensor, w: torch.Tensor, kind: str, kernel: str) -> torch.Tensor:
     """The bound of `blocked_linear(x)` on `kernel`: the two int8 terms', or one_term_bound where
-    one-term products take the rows (quant_kernel.one_term_rows: the AMX tiles' Q8_0 and Q6_K, the
+    one-term products take the rows (conftest.one_term_rows: the AMX tiles' Q8_0 and Q6_K, the
     vector tiles' Q8_0; the AMX tiles' two bf16 terms are within two_term_bound)."""
-    rows = quant_kernel.one_term_rows(kind) if kernel == "vnni" else None
+    rows = one_term_rows(kind) if kernel == "vnni" else None
     return one_term_bound(x, w) if rows is not None and x.shape[0] >= rows else two_term_bound(x, w)
 
 

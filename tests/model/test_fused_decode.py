@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.conftest import one_term_slack
+from tests.model.conftest import one_term_rows, one_term_slack
 from tests.tiny_models import make_tiny_model, write_tiny_gguf
 from tokenmill.config import EngineConfig
 from tokenmill.engine.factory import build_engine_core
@@ -235,7 +235,7 @@ def test_prompt_steps_take_the_path_of_their_format(fast_runner):
     amx_min_rows() rows) take bf16 activations as they are, else fp32. The engine setting puts every
     format on one path."""
     model = fast_runner().model
-    tiles = quant_kernel.one_term_rows("Q8_0")  # the AMX tiles', or the vector tiles' without AMX
+    tiles = one_term_rows("Q8_0")  # the AMX tiles', or the vector tiles' without AMX
     one_term = fast_runner.kind in ("Q8_0", "int8")
     if fast_runner.kind == "Q4_1":
         assert model.bf16_rows == BLOCKED_DENSE_MIN_ROWS
@@ -251,11 +251,11 @@ def test_one_term_tiles_take_bf16_activations_bit_for_bit(fast_runner):
     """Q8_0 weights (and int8, quantized into Q8_0 blocks) on the tiles multiply bf16(x) alone:
     a prompt step handing them bf16 activations (norms, attention and the silu epilogue writing bf16)
     gives exactly the logits of float32 activations rounded by each linear."""
-    if fast_runner.kind == "Q4_1" or quant_kernel.one_term_rows("Q8_0") is None:
+    if fast_runner.kind == "Q4_1" or one_term_rows("Q8_0") is None:
         pytest.skip("the tiles take bf16 as it is only for one-term formats (AMX, or AVX512-BF16's vector tiles)")
     runner = fast_runner(prompt_gemm="vnni")
     model = runner.model
-    assert model.bf16_rows == quant_kernel.one_term_rows("Q8_0") and all(model.bf16_layers)
+    assert model.bf16_rows == one_term_rows("Q8_0") and all(model.bf16_layers)
     # shorter prompts are one fused C++ call (decode rows: up to BF16_PROMPT_MIN_ROWS - 1 where prompts
     # attend on the AMX tiles, else any length, but the fused stack takes fewer rows than these)
     first = min(runner.max_rows_as_decode, BF16_PROMPT_MIN_ROWS - 1) + 1

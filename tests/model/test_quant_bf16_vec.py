@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model.conftest import one_term_rows
 from tests.model.test_block_decoders import fp32_bound, one_term_bound, weight
 from tokenmill.model.kernels import quant_kernel
 
@@ -60,7 +61,7 @@ def test_other_formats_are_refused_by_name(kind):
 @pytest.mark.skipif(not quant_kernel.vec_available(), reason="the AMX tiles take these steps here")
 def test_linear_takes_them_from_vec_min_rows_for_q8_0_only():
     first = quant_kernel.vec_min_rows()
-    assert quant_kernel.one_term_rows("Q8_0") == first and quant_kernel.one_term_rows("Q5_0") is None
+    assert one_term_rows("Q8_0") == first and one_term_rows("Q5_0") is None
     q8, _, _ = weight("Q8_0", 48, 256, seed=5)
     for rows in (first - 1, first, first + 9):
         x = torch.randn(rows, 256)

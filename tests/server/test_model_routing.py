@@ -19,12 +19,12 @@ from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
 from tokenmill.config import EngineConfig
+from tokenmill.entrypoints.ollama.routes import body_object
 from tokenmill.entrypoints.openai.errors import install_handlers
 from tokenmill.entrypoints.openai.model_pool import PoolSettings
 from tokenmill.entrypoints.openai.model_routing import (
     FOREVER,
     ModelRoutingMiddleware,
-    _body_fields,
     current_state,
     expires_at,
     install_model_routes,
@@ -118,7 +118,7 @@ def test_a_body_that_is_not_a_json_object_is_refused_before_anything_loads():
         anthropic = post_raw(pool, "/v1/messages", content)
         assert anthropic.status_code == 400 and anthropic.json()["type"] == "error", content
     assert pool.acquired == []  # the default model did not load to say so
-    assert _body_fields(b"") == {}  # an empty body is Ollama's {}: the default model, not a 400
+    assert body_object(b"") == {}  # an empty body is Ollama's {}: the default model, not a 400
 
 
 def test_an_ollama_tag_on_an_openai_route_is_served_by_that_model():

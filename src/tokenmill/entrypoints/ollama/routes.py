@@ -384,14 +384,20 @@ def install_ollama(app: FastAPI, server: Callable[[], Any], model_path: str, aut
     app.include_router(router)
 
 
-async def read_body(raw: Request) -> dict[str, Any]:
-    """A POST body as Ollama's routes take it: a JSON object (InvalidRequest otherwise), its flags checked."""
+def body_object(body: bytes) -> dict[str, Any]:
+    """A POST body's top-level fields (an empty body: none); InvalidRequest when it is not a JSON object."""
     try:
-        body = json.loads(await raw.body() or b"{}")
+        fields = json.loads(body or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
+    if not isinstance(fields, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    return fields
+
+
+async def read_body(raw: Request) -> dict[str, Any]:
+    """A POST body as Ollama's routes take it: a JSON object (InvalidRequest otherwise), its flags checked."""
+    body = body_object(await raw.body())
     _check_flags(body)
     return body
 

@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.entrypoints.anthropic.serving import error_json
 from tokenmill.entrypoints.ollama.replies import ModelCard, load_wait_s
-from tokenmill.entrypoints.ollama.routes import ollama_error, read_body
+from tokenmill.entrypoints.ollama.routes import body_object, ollama_error, read_body
 from tokenmill.entrypoints.openai.errors import as_request_error, error_body
 from tokenmill.entrypoints.openai.model_metrics import render_models
 from tokenmill.entrypoints.openai.model_pool import ModelPool
@@ -107,18 +107,6 @@ def _error(path: str, error: RequestError) -> tuple[dict[str, Any], int]:
         body, status, _ = error_json(error)
         return body, status
     return error_body(error.message, error.status, error.param, error.code), error.status
-
-
-def _body_fields(body: bytes) -> dict[str, Any]:
-    """The body's top-level fields (an empty body: none, the default model). A body that is not a JSON
-    object is answered 400 here, in Ollama's routes' words: refusing it must not load a model."""
-    try:
-        fields = json.loads(body or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}", 400) from None
-    if not isinstance(fields, dict):
-        raise RequestError("the request body must be a JSON object", 400)
-    return fields
 
 
 def unknown_model(name: str, names: list[str], path: str) -> RequestError:
@@ -210,7 +198,7 @@ class ModelRoutingMiddleware:
 
     def _choose(self, path: str, body: bytes) -> tuple[ModelEntry, float | None, bytes]:
         """The model, the request's keep_alive, and the body to hand on (naming the model as served)."""
-        fields = _body_fields(body)
+        fields = body_object(body)  # not a JSON object: 400 here, in Ollama's routes' words (no model loads)
         name = fields.get("model")
         if name is not None and not isinstance(name, str):  # the route's 400, before anything loads
             raise RequestError(f"model must be a string, got {type(name).__name__}", 400, "model")

@@ -78,18 +78,6 @@ def vec_min_rows() -> int:
     return int(torch.ops.tokenmill_vnni.vec_min_rows())
 
 
-def one_term_rows(kind: str) -> int | None:
-    """From how many rows `blocked_linear` multiplies a weight of GGUF type `kind` by bf16(x) alone (one
-    activation term: the AMX tiles' Q8_0 and Q6_K, the vector tiles' Q8_0), or None where it never does."""
-    if blocked_kernel() != "vnni":
-        return None
-    if amx_available() and kind in ("Q8_0", "Q6_K"):
-        return amx_min_rows()
-    if vec_available() and kind == "Q8_0":
-        return vec_min_rows()
-    return None
-
-
 def amx8_available() -> bool:
     """Whether two-term steps of a few dozen rows of the super-block formats run on AMX-INT8 tiles here
     (csrc/quant_amx8.h)."""
