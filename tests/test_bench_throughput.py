@@ -57,6 +57,19 @@ def test_flops_count_smollm2_like_the_guide():
     assert flops.run_flops(20, 10, 2) == 2 * (flops.body_params * 28 + flops.head_params * 10)
 
 
+def test_flops_count_a_moe_token_at_its_routed_experts():
+    from tokenmill.model.moe_config import MoEConfig
+
+    moe = MoEConfig(num_experts=32, top_k=4, expert_intermediate_size=512, shared_expert_intermediate_size=256)
+    config = ModelConfig(architecture="qwen2_moe", vocab_size=1000, hidden_size=1024, intermediate_size=2048,
+                         num_layers=2, num_heads=16, num_kv_heads=4, head_dim=64,
+                         max_position_embeddings=4096, tie_word_embeddings=True, moe=moe)
+    attention = 1024 * 1024 * 2 + 2 * 1024 * 256
+    routed = 4 * 3 * 1024 * 512  # k of the 32 experts, not all of them
+    router_and_shared = 32 * 1024 + 3 * 1024 * 256 + 1024
+    assert model_flops(config).body_params == 2 * (attention + routed + router_and_shared)
+
+
 def test_summary_median_and_spread():
     runs = [RunResult(s, 2, 20, 10) for s in (1.0, 2.0, 4.0)]
     s = summarize(runs, ModelFlops(body_params=1_000_000, head_params=0), ceiling_gflops=1.0)

@@ -89,13 +89,17 @@ class ModelFlops:
 
 
 def model_flops(config: ModelConfig) -> ModelFlops:
+    """The matmul weights a token multiplies: a MoE layer's routed experts at top_k / num_experts (a
+    token runs k of them; counting all of them credited the MoE's prompts with 8x the work), its
+    router and shared expert whole."""
     shapes = expected_shapes(config)
-    body = 0
+    body = 0.0
+    routed = config.moe.top_k / config.moe.num_experts if config.moe is not None else 1.0
     for name, shape in shapes.items():
         # Norm weights are element-wise work; the 2-D layer tensors are the matmuls.
         if name.startswith("model.layers.") and len(shape) == 2:
-            body += shape[0] * shape[1]
-    return ModelFlops(body_params=body, head_params=config.vocab_size * config.hidden_size)
+            body += shape[0] * shape[1] * (routed if ".experts." in name else 1.0)
+    return ModelFlops(body_params=round(body), head_params=config.vocab_size * config.hidden_size)
 
 
 # The bf16 ceiling's matmul size where bf16 GEMMs are emulated (no AVX512-BF16 / AMX, or capped by
