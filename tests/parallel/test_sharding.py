@@ -99,8 +99,52 @@ def test_gguf_blocks_are_sliced_whole_and_a_cut_block_falls_back_to_exact_values
     # 4 ranks would cut each Q4_K block of down in two: that shard holds the exact values instead, and
     # the log names the sizes that keep the blocks whole; o_proj's Q5_0 blocks of 32 stay whole.
     with caplog.at_level("WARNING", logger="tokenmill.parallel.sharding"):
+        TensorParallelShard(_Group(0, 4)).shard_weights(mc, weights)  # rank 0 says it for all ranks
         shard = TensorParallelShard(_Group(1, 4)).shard_weights(mc, weights)
     assert torch.equal(shard[layer + "mlp.down_proj.weight"], down.dequantize()[:, 128:256])
     assert isinstance(shard[layer + "self_attn.o_proj.weight"], GGUFWeight)
-    assert any("tensor-parallel size 4 cuts its Q4_K blocks of 256" in r.getMessage()
-               and "whole: 1, 2" in r.getMessage() for r in caplog.records)
+    assert any("tensor-parallel size 4 cuts blocks of" in r.getMessage() and "Q4_K (blocks of 256)" in r.getMessage()
+               and r.getMessage().endswith("whole: 1, 2") for r in caplog.records)
+
+
+def test_cut_blocks_are_said_once_for_the_model_with_sizes_it_accepts(tmp_path, caplog):
+    # Every layer's Q4_K down has 768 inputs (3 super-blocks): 2 ranks cut each in the middle of one.
+    # Blocks would stay whole at 3 ranks, which the 4 heads / 2 KV heads refuse: only 1 is offered.
+    from tests.tiny_models import write_tiny_gguf
+
+    folder = make_tiny_model(tmp_path, "llama", tokenizer=False, hidden_size=256, intermediate_size=768,
+                             num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    path = write_tiny_gguf(folder, tmp_path / "cut.gguf", quant=lambda name: "Q4_K" if "down_proj" in name else "Q8_0")
+    loaded = load_weights(str(path))
+    with caplog.at_level("WARNING", logger="tokenmill.parallel.sharding"):
+        shards = [TensorParallelShard(_Group(r, 2)) for r in range(2)]
+        for shard in shards:
+            shard.shard_weights(loaded.config, loaded.weights)
+    lines = [r.getMessage() for r in caplog.records if "cuts blocks" in r.getMessage()]
+    assert len(lines) == 1  # rank 0's, for all three layers
+    assert "3 quantized matrices (3 Q4_K (blocks of 256)" in lines[0] and lines[0].endswith("whole: 1")
+    for shard in shards:
+        assert [c.name for c in shard.cuts] == [f"model.layers.{i}.mlp.down_proj.weight" for i in range(3)]
+        # each shard: 256 x 384 inputs, 144 bytes a 256-weight block packed, fp32 dense
+        assert all((c.file_bytes, c.resident_bytes) == (256 * 768 // 256 * 144 // 2, 256 * 384 * 4)
+                   for c in shard.cuts)
+
+
+def test_a_tensor_parallel_model_says_its_fallbacks_once_in_rank_zeros_log(tmp_path, caplog):
+    # TQ2_0 has no kernel: every rank runs its shards of the up projections as bf16. One line for the
+    # model (rank 0's, its shards' bytes), not one a rank.
+    from tests.tiny_models import write_tiny_gguf
+    from tokenmill.model.builder import build_model
+
+    folder = make_tiny_model(tmp_path, "llama", tokenizer=False, hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2)
+    path = write_tiny_gguf(folder, tmp_path / "tq.gguf", quant=lambda name: "TQ2_0" if "up_proj" in name else "Q8_0")
+    lines = []
+    for rank in (0, 1):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tokenmill.model.builder"):
+            build_model(str(path), "fast", "auto", 4, None, 4, 16, shard=TensorParallelShard(_Group(rank, 2)))
+        lines.append([r.getMessage() for r in caplog.records if "without a CPU kernel" in r.getMessage()])
+    assert lines[1] == [] and len(lines[0]) == 1
+    assert "TQ2_0 (2 matrices, no kernel)" in lines[0][0]
+    assert "of this rank's shards (each of the 2 tensor-parallel ranks alike)" in lines[0][0]

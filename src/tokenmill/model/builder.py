@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 class ModelShard(Protocol):
     """One rank's part of a tensor-parallel model."""
 
+    rank: int
+    size: int
+
     def shard_config(self, config: ModelConfig) -> ModelConfig:
         """The hyper-parameters this rank's layers have (heads and intermediate size divided)."""
 
@@ -75,7 +78,9 @@ def build_model(
         weights, layer_config = shard.shard_weights(mc, weights), shard.shard_config(mc)
     model = model_class(mc.architecture)(layer_config, weights, max_len, policy=policy)
     del weights, loaded  # the file's pages and any block copies go with them
-    if (line := describe_fallbacks(policy.fallbacks)) is not None:
+    # One line for the model: every rank falls back alike, rank 0 says so (with its own shards' bytes).
+    if (shard is None or shard.rank == 0) and (line := describe_fallbacks(
+            policy.fallbacks, shard.size if shard is not None else 1)) is not None:
         logger.warning("%s", line)
     if shard is not None:
         shard.parallelize(model)

@@ -14,13 +14,16 @@ shard between blocks (32 weights, 256 for K-quants and IQ4_XS), so each rank hol
 numbers for its slice. When a shard boundary would cut a block (e.g. a K-quant down_proj whose
 intermediate size over the ranks is not a multiple of 256), that block's scale belongs to both sides:
 the shard is dequantized to the file's exact fp32 values instead (fast mode then runs it dense, as a
-bf16 GEMM), with a warning naming the tensor and the tensor-parallel sizes that keep blocks whole.
+bf16 GEMM). Rank 0 says so in one line for all such tensors (a MoE cuts every expert's down): their
+types, how many, what this rank's shards cost, and the sizes the model accepts that keep every block
+whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -37,23 +40,66 @@ logger = logging.getLogger(__name__)
 Weight = torch.Tensor | QuantizedWeight | GGUFWeight
 
 
-def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
-    """Refuses a size that does not divide the heads, KV heads and intermediate size, naming the
-    sizes that would work."""
+def _split_dims(config: ModelConfig) -> dict[str, int]:
+    """The sizes a tensor-parallel size must divide, by name."""
     dims = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads,
             "intermediate size": config.intermediate_size}
     if config.moe is not None:  # each expert is split like a dense MLP
         dims["expert intermediate size"] = config.moe.expert_intermediate_size
         if config.moe.shared_expert_intermediate_size:
             dims["shared expert intermediate size"] = config.moe.shared_expert_intermediate_size
-    bad = [f"{name} ({value})" for name, value in dims.items() if value % size]
+    return dims
+
+
+def accepted_sizes(config: ModelConfig) -> list[int]:
+    """Every tensor-parallel size the model's heads, KV heads and intermediate sizes divide by."""
+    dims = _split_dims(config).values()
+    return [n for n in range(1, config.num_heads + 1) if all(v % n == 0 for v in dims)]
+
+
+def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
+    """Refuses a size that does not divide the heads, KV heads and intermediate size, naming the
+    sizes that would work."""
+    bad = [f"{name} ({value})" for name, value in _split_dims(config).items() if value % size]
     if not bad:
         return
-    works = [n for n in range(1, config.num_heads + 1) if all(v % n == 0 for v in dims.values())]
     raise InvalidRequest(
         f"tensor_parallel_size {size} does not divide the model's {', '.join(bad)}; sizes that work for "
-        f"this model: {', '.join(map(str, works))}", param="tensor_parallel_size",
+        f"this model: {', '.join(map(str, accepted_sizes(config)))}", param="tensor_parallel_size",
     )
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A packed weight whose shard boundary falls inside a block: the shard runs dequantized."""
+
+    name: str
+    kind: str  # the GGUF type, or "int8/int4 groups of 32"
+    block: int  # weights a block
+    inputs: int  # the whole weight's input columns
+    file_bytes: int  # this shard's bytes packed
+    resident_bytes: int  # its bytes dequantized
+
+
+def _keeps_blocks_whole(cut: Cut, size: int) -> bool:
+    return cut.inputs % size == 0 and (cut.inputs // size) % cut.block == 0
+
+
+def describe_cuts(cuts: list[Cut], config: ModelConfig, size: int) -> str | None:
+    """One line for the log on every weight `size` ranks cut inside a block, or None."""
+    if not cuts:
+        return None
+    kinds: dict[tuple[str, int], int] = {}
+    for c in cuts:
+        kinds[(c.kind, c.block)] = kinds.get((c.kind, c.block), 0) + 1
+    what = ", ".join(f"{n} {kind} (blocks of {block})" for (kind, block), n in sorted(kinds.items()))
+    works = [n for n in accepted_sizes(config) if all(_keeps_blocks_whole(c, n) for c in cuts)]
+    file_mb = sum(c.file_bytes for c in cuts) / 1e6
+    resident_mb = sum(c.resident_bytes for c in cuts) / 1e6
+    return (f"tensor-parallel size {size} cuts blocks of {len(cuts)} quantized matrices ({what}; the first "
+            f"{cuts[0].name}), so their shards run dequantized: this rank's {file_mb:.1f} MB of them take "
+            f"{resident_mb:.1f} MB; sizes this model accepts that keep every block whole: "
+            f"{', '.join(map(str, works))}")
 
 
 def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -68,7 +114,7 @@ def _rows(w: Weight, start: int, end: int) -> Weight:
     return w[start:end].contiguous()
 
 
-def _columns(w: Weight, start: int, end: int, name: str = "", world_size: int = 1) -> Weight:
+def _columns(w: Weight, start: int, end: int, name: str = "", cuts: list[Cut] | None = None) -> Weight:
     if not isinstance(w, (QuantizedWeight, GGUFWeight)):
         return w[:, start:end].contiguous()
     block = w.format.block_elems if isinstance(w, GGUFWeight) else GROUP
@@ -77,12 +123,12 @@ def _columns(w: Weight, start: int, end: int, name: str = "", world_size: int = 
     # A shard boundary inside a block: its scale belongs to both sides, so this shard can't stay
     # packed. Dense fp32 keeps the file's values exact.
     k = w.shape[1]
-    works = [n for n in range(1, k // block + 1) if k % n == 0 and (k // n) % block == 0]
-    kind = w.kind if isinstance(w, GGUFWeight) else f"groups of {GROUP}"
-    logger.warning("%s: tensor-parallel size %d cuts its %s blocks of %d weights (shard [%d, %d) of %d "
-                   "inputs), so this shard runs dequantized; sizes that keep its blocks whole: %s",
-                   name or "a weight", world_size, kind, block, start, end, k, ", ".join(map(str, works)))
-    return w.dequantize(torch.float32)[:, start:end].contiguous()
+    dense = w.dequantize(torch.float32)[:, start:end].contiguous()
+    if cuts is not None:
+        kind = w.kind if isinstance(w, GGUFWeight) else f"groups of {GROUP}"
+        cuts.append(Cut(name or "a weight", kind, block, k, w.nbytes * (end - start) // k,
+                        dense.numel() * dense.element_size()))
+    return dense
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:
@@ -95,6 +141,7 @@ class TensorParallelShard:
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
         self.rank, self.size = group.rank, group.world_size
+        self.cuts: list[Cut] = []  # the last shard_weights' weights cut inside a block
 
     def shard_config(self, config: ModelConfig) -> ModelConfig:
         check_tensor_parallel_size(config, self.size)
@@ -113,6 +160,7 @@ class TensorParallelShard:
         q = config.num_heads * d // n
         kv = config.num_kv_heads * d // n
         v0, v1 = vocab_range(config.vocab_size, r, n)
+        self.cuts = []
         out: dict = {}
         for name, w in weights.items():
             if name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -124,14 +172,16 @@ class TensorParallelShard:
                 inter = w.shape[0] // n
                 out[name] = _rows(w, r * inter, (r + 1) * inter)
             elif name.endswith("o_proj.weight"):
-                out[name] = _columns(w, r * q, (r + 1) * q, name, n)
+                out[name] = _columns(w, r * q, (r + 1) * q, name, self.cuts)
             elif name.endswith(("down_proj.weight", ".w2.weight")):
                 inter = w.shape[1] // n
-                out[name] = _columns(w, r * inter, (r + 1) * inter, name, n)
+                out[name] = _columns(w, r * inter, (r + 1) * inter, name, self.cuts)
             elif name in ("model.embed_tokens.weight", "lm_head.weight"):
                 out[name] = _rows(w, v0, v1)
             else:  # norms, MoE routers and the shared expert's gate: every rank needs all of them
                 out[name] = w
+        if r == 0 and (line := describe_cuts(self.cuts, config, n)) is not None:  # every rank cuts alike
+            logger.warning("%s", line)
         return out
 
     def parallelize(self, model: LlamaForCausalLM) -> None:

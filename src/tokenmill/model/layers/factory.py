@@ -4,7 +4,7 @@
   (quant_formats), so greedy output is token-identical to transformers on the same file.
 - fast: a GGUF matrix of a type the kernels read (`KERNEL_TYPES`) goes to them as the file's own
   blocks, re-laid losslessly (no dequantize-and-quantize-again). A type without a kernel (IQ1/IQ2/
-  IQ3, TQ, MXFP4, ...) or a shape the kernel refuses becomes bf16 (an fp32 lm_head: its logits),
+  IQ3, TQ, ...) or a shape the kernel refuses becomes bf16 (an fp32 lm_head: its logits),
   recorded in `LayerPolicy.fallbacks` so the builder can say so in one line. F16 / BF16 matrices
   stay 16-bit; other dense weights run as DenseLinear with a bf16 copy for GEMMs of at least
   `bf16_min_rows` rows, or are quantized at load when `quantization` is int8 / int4 (vLLM's flag,
@@ -100,8 +100,9 @@ def _kernel_form(w: GGUFWeight) -> QuantizedWeight | BlockedWeight:
     return quant.from_gguf_blocks(w.kind, w.raw, w.shape)  # the row-layout kernel
 
 
-def describe_fallbacks(fallbacks: list[Fallback]) -> str | None:
-    """One line for the log naming every type that runs dequantized and the memory it costs."""
+def describe_fallbacks(fallbacks: list[Fallback], ranks: int = 1) -> str | None:
+    """One line for the log naming every type that runs dequantized and the memory it costs (with
+    `ranks` tensor-parallel ranks, one rank's: each holds its shards of the same matrices)."""
     if not fallbacks:
         return None
     by_kind: dict[str, list[Fallback]] = {}
@@ -113,8 +114,9 @@ def describe_fallbacks(fallbacks: list[Fallback]) -> str | None:
         parts.append(f"{kind} ({len(items)} matrices, {'; '.join(reasons)})")
     extra = sum(f.resident_bytes - f.file_bytes for f in fallbacks) / 1e6
     file_mb = sum(f.file_bytes for f in fallbacks) / 1e6
+    where = "in the file" if ranks == 1 else f"of this rank's shards (each of the {ranks} tensor-parallel ranks alike)"
     return (f"GGUF matrices without a CPU kernel run dequantized (bf16, an lm_head fp32): {', '.join(parts)}; "
-            f"{file_mb:.1f} MB in the file take {file_mb + extra:.1f} MB (+{extra:.1f} MB) and decode slower")
+            f"{file_mb:.1f} MB {where} take {file_mb + extra:.1f} MB (+{extra:.1f} MB) and decode slower")
 
 
 def _stack_gguf(parts: list[Weight]) -> list[Weight]:
