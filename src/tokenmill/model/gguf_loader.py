@@ -52,6 +52,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# One expert's matrix in the per-expert layout older Mixtral GGUF files have (blk.N.ffn_gate.E.weight).
+_PER_EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
 # Llama 3.x GGUFs carry their rope scaling as per-frequency divisors rather than as metadata.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -179,6 +181,11 @@ def _hf_name(gguf_name: str, path: str, arch: str, moe_family: str | None = None
             return f"{name}.{m.group(3)}"
     names = {**_LAYER_NAMES, **gemma_files.GGUF_LAYER_NAMES} if arch in gemma_files.GGUF_ARCHITECTURES else _LAYER_NAMES
     if m is None or m.group(2) not in names:
+        if _PER_EXPERT_TENSOR.fullmatch(gguf_name):
+            raise ModelLoadError(path, f"tensor {gguf_name!r} is one expert's matrix in the per-expert layout of "
+                                       "older Mixtral GGUF files; tokenmill reads each layer's experts merged "
+                                       "(ffn_gate_exps / ffn_up_exps / ffn_down_exps, as llama.cpp's "
+                                       "convert_hf_to_gguf.py writes them): convert the model again")
         raise ModelLoadError(path, f"unexpected tensor {gguf_name!r}: tokenmill does not know what it is")
     return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
