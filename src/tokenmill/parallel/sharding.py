@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +75,7 @@ class Cut:
     """A packed weight whose shard boundary falls inside a block: the shard runs dequantized."""
 
     name: str
-    kind: str  # the GGUF type, or "int8/int4 groups of 32"
+    kind: str  # the GGUF type, or "int8" / "int4" (a Hugging Face model quantized at load)
     block: int  # weights a block
     inputs: int  # the whole weight's input columns
     file_bytes: int  # this shard's bytes packed
@@ -89,9 +90,7 @@ def describe_cuts(cuts: list[Cut], config: ModelConfig, size: int) -> str | None
     """One line for the log on every weight `size` ranks cut inside a block, or None."""
     if not cuts:
         return None
-    kinds: dict[tuple[str, int], int] = {}
-    for c in cuts:
-        kinds[(c.kind, c.block)] = kinds.get((c.kind, c.block), 0) + 1
+    kinds = Counter((c.kind, c.block) for c in cuts)
     what = ", ".join(f"{n} {kind} (blocks of {block})" for (kind, block), n in sorted(kinds.items()))
     works = [n for n in accepted_sizes(config) if all(_keeps_blocks_whole(c, n) for c in cuts)]
     file_mb = sum(c.file_bytes for c in cuts) / 1e6
@@ -125,8 +124,7 @@ def _columns(w: Weight, start: int, end: int, name: str = "", cuts: list[Cut] | 
     k = w.shape[1]
     dense = w.dequantize(torch.float32)[:, start:end].contiguous()
     if cuts is not None:
-        kind = w.kind if isinstance(w, GGUFWeight) else f"groups of {GROUP}"
-        cuts.append(Cut(name or "a weight", kind, block, k, w.nbytes * (end - start) // k,
+        cuts.append(Cut(name or "a weight", w.kind, block, k, w.nbytes * (end - start) // k,
                         dense.numel() * dense.element_size()))
     return dense
 
