@@ -63,7 +63,10 @@ def test_capacity_admits_what_fits_and_refuses_what_does_not():
     engine, _ = hybrid_engine(kv_cache_tokens=40 * PAGE, max_num_batched_tokens=8)
     cap = engine.scheduler.capacity_tokens
     assert LAYOUT.pages_needed(cap, PAGE, 8) <= 40 < LAYOUT.pages_needed(cap + PAGE, PAGE, 8)
-    with pytest.raises(InvalidRequest, match="exceeds the KV cache"):
+    # The error says why a request's room is under the pool's 40 pages: the groups, and what to change.
+    with pytest.raises(InvalidRequest, match=rf"exceeds the KV cache \({cap} tokens a request: {40 * PAGE} token "
+                                             rf"slots shared by {len(LAYOUT.groups)} KV groups.*prefill chunk of 8\); "
+                                             "a larger kv_cache_tokens or a smaller max_num_batched_tokens"):
         engine.add_request("big", [1] * cap, greedy(PAGE))
     engine.add_request("fits", [1] * (cap - 20), greedy(20))
     out = run_to_completion(engine)

@@ -187,3 +187,15 @@ def test_randomized_lifecycle_keeps_every_page_accounted_for():
         else:
             assert got == want
     assert engine.stats()["kv_pages_in_use"] == 0
+
+
+def test_an_uncounted_request_runs_like_any_other_but_adds_no_tokens_to_the_counters():
+    # The server's /health probe (counted=False) is real work, not traffic: the request token
+    # counters that /metrics exports are the callers' alone.
+    engine, _ = make_engine()
+    engine.add_request("probe", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), counted=False)
+    engine.add_request("user", [8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outputs = run_to_completion(engine)
+    assert len(outputs["probe"]) == 4 and len(outputs["user"]) == 3
+    stats = engine.stats()
+    assert (stats["prompt_tokens_total"], stats["generation_tokens_total"]) == (2, 3)

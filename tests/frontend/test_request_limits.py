@@ -43,3 +43,14 @@ def test_an_explicit_max_tokens_past_the_pool_is_still_refused():
     engine, _ = make_engine(50, max_model_len=4096, kv_cache_tokens=POOL, page_size=4)
     with pytest.raises(InvalidRequest, match="exceeds the KV cache"):
         engine.add_request("r", [1] * 10, SamplingParams(max_tokens=POOL))
+
+
+def test_a_hybrid_pools_error_says_why_a_request_has_less_room_than_the_pool():
+    note = "4096 token slots shared by 6 KV groups, ..."
+    hybrid = SchedulerReady("m", max_model_len=32768, vocab_size=50, kv_capacity_tokens=680,
+                            supports_cache_salt=True, supports_prompt_logprobs=True, kv_capacity_note=note)
+    with pytest.raises(InvalidRequest, match=r"exceeds the KV cache \(680 tokens a request: 4096 token slots shared by 6"):
+        check_prompt([1] * 600, SamplingParams(max_tokens=100), hybrid, "prompt")
+    with pytest.raises(InvalidRequest, match=r"exceeds the KV cache \(\d+ tokens\)"):  # one group: nothing to add
+        check_prompt([1] * 600, SamplingParams(max_tokens=POOL), limits(), "prompt")
+

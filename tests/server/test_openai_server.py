@@ -59,6 +59,12 @@ def metrics(server) -> dict[str, float]:
     return out
 
 
+def labeled(server, series: str) -> float:
+    """One labelled series of /metrics, e.g. 'tokenmill:request_success_total{finished_reason="abort"}' (0 when absent)."""
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0)
+
+
 def test_greedy_chat_and_completion_equal_the_offline_api(client, model, llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     chat = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=16)
@@ -280,6 +286,8 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
 
 
 def test_disconnect_aborts_and_frees_kv(server, model):
+    aborted = 'tokenmill:request_success_total{finished_reason="abort"}'
+    before = labeled(server, aborted)
     body = {"model": model, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
     url = f"{server.url}/v1/completions"
     with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH, timeout=60) as resp:
@@ -293,6 +301,18 @@ def test_disconnect_aborts_and_frees_kv(server, model):
     with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up
         httpx.post(url, json=body, headers=AUTH, timeout=2)
     assert_idle_soon(server)
+    assert labeled(server, aborted) == before + 2  # both counted as finished for "abort", as vLLM does
+
+
+def test_health_probes_are_not_counted_as_traffic(server):
+    # /health sends a real one-token request through the engine; the token counters are the callers'.
+    before = metrics(server)
+    for _ in range(3):
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    time.sleep(1.0)  # the scheduler's stats after the probes' steps
+    after = metrics(server)
+    for name in ("tokenmill:prompt_tokens_total", "tokenmill:generation_tokens_total"):
+        assert after[name] == before[name], name
 
 
 def assert_idle_soon(server, seconds: float = 10.0):

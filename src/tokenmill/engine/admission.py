@@ -24,10 +24,11 @@ def check_prompt(request_id: str, prompt_token_ids: list[int], cache_salt: str |
 
 
 def resolve_max_tokens(params: SamplingParams, n_prompt: int, vocab_size: int, max_model_len: int, capacity: int,
-                       scheduling_policy: str) -> int:
+                       scheduling_policy: str, capacity_note: str = "") -> int:
     """The request's max_tokens (params', or what the context leaves), after checking that the prompt
-    and that many tokens fit the context and the KV pool (`capacity` tokens) and that this engine can
-    honour its settings."""
+    and that many tokens fit the context and the KV pool (`capacity` tokens a request; `capacity_note`:
+    why that is less than the pool's slots, Scheduler.capacity_note) and that this engine can honour
+    its settings."""
     params.check_token_ids(vocab_size)
     if params.priority != 0 and scheduling_policy != "priority":
         raise InvalidRequest(
@@ -60,7 +61,7 @@ def resolve_max_tokens(params: SamplingParams, n_prompt: int, vocab_size: int, m
     if n_prompt + max_tokens > capacity:
         raise InvalidRequest(
             f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
-            f"({capacity} tokens); raise kv_cache_tokens or lower max_tokens",
+            f"({capacity} tokens a request: {capacity_note or 'raise kv_cache_tokens or lower max_tokens'})",
             param="max_tokens",
         )
     return max_tokens

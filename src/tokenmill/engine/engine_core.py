@@ -105,12 +105,14 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams | PoolingParams,
         cache_salt: str | None = None,
+        counted: bool = True,
     ) -> None:
         """Validates and queues a request; raises InvalidRequest naming the problem. With
         PoolingParams it is an embedding request (engine/pooling.py).
 
         `cache_salt` picks the prefix-cache namespace: requests with different salts never share
-        cached KV (tenant isolation); requests without one share the common space.
+        cached KV (tenant isolation); requests without one share the common space. `counted` False:
+        the server's own health probe, left out of prompt_tokens_total / generation_tokens_total.
         """
         check_prompt(request_id, prompt_token_ids, cache_salt, self.requests, self.vocab_size)
         n_prompt = len(prompt_token_ids)
@@ -118,15 +120,17 @@ class EngineCore:
             self._add_pooling(request_id, prompt_token_ids, params)
             return
         max_tokens = resolve_max_tokens(params, n_prompt, self.vocab_size, self.max_model_len,
-                                        self.scheduler.capacity_tokens, self.config.scheduling_policy)
+                                        self.scheduler.capacity_tokens, self.config.scheduling_policy,
+                                        self.scheduler.capacity_note)
         if params.structured_output is not None:
             self.grammars.submit(request_id, params.structured_output)
-        request = Request(request_id, list(prompt_token_ids), params, max_tokens, cache_salt)
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens, cache_salt, counted=counted)
         # Same prompt and salt, same group: the scheduler prefills such requests once (n > 1).
         request.prefill_group = hash((cache_salt, tuple(prompt_token_ids)))
         self.requests[request_id] = request
         self.scheduler.add(request)
-        self.prompt_tokens_total += n_prompt
+        if counted:
+            self.prompt_tokens_total += n_prompt
 
     def _add_pooling(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
         capacity = self.scheduler.capacity_tokens
@@ -266,7 +270,8 @@ class EngineCore:
                 request.num_computed_tokens += len(run) - 1
             matcher = matchers[i] if matchers is not None else None
             status, emitted = self._append_run(request, run, matcher)
-            self.generation_tokens_total += emitted
+            if request.counted:
+                self.generation_tokens_total += emitted
             if guesses:
                 self.spec_stats.record(len(guesses), len(run) - 1, emitted)
             first = len(request.output_token_ids) == emitted

@@ -52,6 +52,7 @@ class Request:
     params: SamplingParams
     max_tokens: int  # resolved: params.max_tokens, or what the context leaves
     cache_salt: str | None = None  # prefix-cache namespace: different salts never share KV
+    counted: bool = True  # False: the server's health probe, left out of the request token counters
     output_token_ids: list[int] = field(default_factory=list)
     # The one progress counter: tokens whose K/V are in the cache. Prefill, chunked prefill, decode,
     # a prefix-cache hit and recompute after preemption are all "compute num_computed_tokens..num_tokens".

@@ -107,6 +107,12 @@ class Scheduler:
         layout = self.layout or KVLayout.single(1)
         return layout.capacity_tokens(self.pool.num_pages, self.pool.page_size, self.max_num_batched_tokens)
 
+    @property
+    def capacity_note(self) -> str:
+        """Why capacity_tokens is less than the pool's slots ("" where it is not: one KV group)."""
+        layout = self.layout or KVLayout.single(1)
+        return layout.capacity_note(self.pool.num_pages, self.pool.page_size, self.max_num_batched_tokens)
+
     def add(self, request: Request) -> None:
         self.policy.enqueue(self.waiting, request)
 

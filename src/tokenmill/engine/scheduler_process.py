@@ -64,6 +64,7 @@ class SchedulerLoop:
         # Features that other parts of the engine add over time: detected, so the API server can say
         # "not supported" with a 400 instead of sending what the engine would ignore.
         self.supports_cache_salt = "cache_salt" in inspect.signature(engine.add_request).parameters
+        self.supports_uncounted = "counted" in inspect.signature(engine.add_request).parameters
         self.supports_prompt_logprobs = "prompt_logprobs" in {f.name for f in dataclasses.fields(EngineOutput)}
         # Engine Request objects whose queue time is not reported yet: read at their first output
         # (the engine may already have dropped a request that finished in its first step).
@@ -118,6 +119,8 @@ class SchedulerLoop:
         kwargs = {}
         if message.cache_salt is not None and self.supports_cache_salt:
             kwargs["cache_salt"] = message.cache_salt
+        if message.internal and self.supports_uncounted:
+            kwargs["counted"] = False
         try:
             if message.pooling is not None:  # an embedding: its one output goes straight to main
                 self.engine.add_request(rid, message.prompt_token_ids, message.pooling)
@@ -250,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_capacity_tokens=engine.scheduler.capacity_tokens,
             supports_cache_salt=loop.supports_cache_salt,
             supports_prompt_logprobs=loop.supports_prompt_logprobs,
+            kv_capacity_note=getattr(engine.scheduler, "capacity_note", ""),
         ))
     except Exception as exc:
         to_main.send(startup_failure(logger, name, exc))

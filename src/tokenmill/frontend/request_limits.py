@@ -46,7 +46,7 @@ def check_prompt(ids: Sequence[int], params: SamplingParams, limits: SchedulerRe
         if max_tokens < 1:
             raise InvalidRequest(
                 f"the prompt has {len(ids)} tokens, which fills the KV cache ({limits.kv_capacity_tokens} "
-                "tokens) and leaves no room for output", param=param,
+                f"tokens{_note(limits)}) and leaves no room for output", param=param,
             )
     if max_tokens > room:
         raise RequestError(
@@ -57,8 +57,13 @@ def check_prompt(ids: Sequence[int], params: SamplingParams, limits: SchedulerRe
     if len(ids) + max_tokens > limits.kv_capacity_tokens:
         raise InvalidRequest(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
-            f"({limits.kv_capacity_tokens} tokens)", param="max_tokens",
+            f"({limits.kv_capacity_tokens} tokens{_note(limits)})", param="max_tokens",
         )
+
+
+def _note(limits: SchedulerReady) -> str:
+    """Why a request has less room than the pool has slots (hybrid KV groups), or ""."""
+    return f" a request: {limits.kv_capacity_note}" if limits.kv_capacity_note else ""
 
 
 def check_embedding_input(ids: Sequence[int], limits: SchedulerReady, param: str) -> None:

@@ -157,9 +157,10 @@ class TokenizerManager:
             await asyncio.gather(ready, return_exceptions=True)  # retrieved: no "never retrieved" log
             return False
         assert self.limits is not None
-        logger.info("scheduler ready: model %s, context %d tokens, vocabulary %d, KV %d tokens",
+        logger.info("scheduler ready: model %s, context %d tokens, vocabulary %d, KV %d tokens%s",
                     self.limits.model_name, self.limits.max_model_len, self.limits.vocab_size,
-                    self.limits.kv_capacity_tokens)
+                    self.limits.kv_capacity_tokens, f" a request ({self.limits.kv_capacity_note})"
+                    if self.limits.kv_capacity_note else "")
         if not await self._probe(timeout=None):
             if self.status is not ServerStatus.UNHEALTHY:
                 self.mark_unhealthy("the start-up request did not come back")
@@ -305,7 +306,8 @@ class TokenizerManager:
             for i, (rid, seq) in enumerate(zip(rids, seqs)):
                 self._states[rid] = SeqState(queue, i, arrival, not internal, stages)
                 try:
-                    self._to_scheduler.send(AddRequest(rid, seq.prompt_token_ids, seq.params, cache_salt))
+                    self._to_scheduler.send(AddRequest(rid, seq.prompt_token_ids, seq.params, cache_salt,
+                                                       internal=internal))
                     self._states[rid].sent = time.monotonic()
                 except (OverflowError, msgspec.EncodeError) as exc:  # e.g. an integer beyond 64 bits
                     raise InvalidRequest(f"a request parameter is out of range: {exc}") from exc
@@ -439,11 +441,14 @@ class TokenizerManager:
         state.queue.put_nowait((state.index, out))
 
     def _release(self, rids: Sequence[str]) -> None:
-        """Forget the seqs of a request that is over for its caller; abort those still running."""
+        """Forget the seqs of a request that is over for its caller; abort those still running (counted
+        as finished for "abort", as vLLM counts them)."""
         for rid in rids:
             state = self._states.pop(rid, None)
             if state is not None and not state.finished:
                 self._to_scheduler.send(AbortRequest(rid))
+                if state.record:
+                    self.metrics.observe_finished(time.monotonic() - state.arrival, "abort")
 
     def _fail(self, rid: str, error: RequestError) -> None:
         state = self._states.get(rid)

@@ -39,6 +39,8 @@ class AddRequest(msgspec.Struct, tag=True):
     cache_salt: str | None = None
     # Set: an embedding request (engine/pooling.py); `params` is then ignored.
     pooling: PoolingParams | None = None
+    # The server's own /health probe: served as any request, left out of the request token counters.
+    internal: bool = False
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -130,6 +132,7 @@ class SchedulerReady(msgspec.Struct, tag=True):
     kv_capacity_tokens: int
     supports_cache_salt: bool
     supports_prompt_logprobs: bool  # the engine honours SamplingParams.prompt_logprobs
+    kv_capacity_note: str = ""  # why kv_capacity_tokens is less than the pool (hybrid KV groups), for errors
 
 
 class DetokenizerReady(msgspec.Struct, tag=True):

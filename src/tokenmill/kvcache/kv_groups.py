@@ -104,3 +104,14 @@ class KVLayout:
         short = min(num_pages // groups, self.window_pages(page_size, chunk_tokens)) * page_size
         long = (num_pages - self.num_window_groups * self.window_pages(page_size, chunk_tokens)) * page_size
         return max(short, long)
+
+    def capacity_note(self, num_pages: int, page_size: int, chunk_tokens: int) -> str:
+        """Why capacity_tokens is less than the pool's slots, in words for an error or a log ("" with
+        one group): the sliding groups' share, and the two settings that change it."""
+        if not self.is_hybrid:
+            return ""
+        per_request = self.window_pages(page_size, chunk_tokens) * page_size
+        return (f"{num_pages * page_size} token slots shared by {len(self.groups)} KV groups, each of the "
+                f"{self.num_window_groups} sliding-window ones keeping up to {per_request} of a request's "
+                f"(its {self.window}-token window and a prefill chunk of {chunk_tokens}); a larger "
+                "kv_cache_tokens or a smaller max_num_batched_tokens holds longer requests")
