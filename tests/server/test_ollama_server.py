@@ -43,6 +43,8 @@ def model(client) -> str:
 def test_tags_ps_show_version(client, model, server):
     tags = client.list().models
     assert len(tags) == 1 and model.endswith(":latest") and tags[0].size > 0 and tags[0].details.format == "gguf"
+    # as Ollama lists SmolLM2-135M: its file type by llama.cpp's name, its weights counted from the file
+    assert (tags[0].details.quantization_level, tags[0].details.parameter_size) == ("Q4_1", "134.52M")
     running = client.ps().models
     assert running[0].model == model and running[0].expires_at is not None
     shown = client.show(model)
@@ -134,6 +136,7 @@ def test_errors_in_ollama_shape(client, server):
     ("POST", "/api/chat", {"messages": CHAT, "stream": "no"}, 400, "stream must be true or false"),
     ("POST", "/api/generate", {"prompt": "hi", "raw": "yes"}, 400, "raw must be true or false"),
     ("POST", "/api/chat", {"model": 5, "messages": CHAT}, 400, "model must be a string"),
+    ("POST", "/api/generate", {"prompt": "hi", "keep_alive": "banana"}, 400, "keep_alive must be"),
     ("POST", "/api/show", {}, 400, "model is required"),
     ("POST", "/api/chat", {"messages": CHAT, "options": {"tool_choice": "required"}}, 400, "needs a non-empty tools"),
     ("GET", "/api/chat", None, 405, "not allowed on /api/chat: use POST"),

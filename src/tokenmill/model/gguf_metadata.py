@@ -29,6 +29,25 @@ def read_gguf_metadata(path: str) -> dict[str, Any]:
         return {reader.string(): reader.value(reader.u32()) for _ in range(count)}
 
 
+def read_gguf_parameter_count(path: str) -> int:
+    """The weights in the file's tensor table (every tensor's element count), read past the metadata."""
+    with open(path, "rb") as f:
+        head = f.read(_HEADER_BYTES)
+        if len(head) < _HEADER_BYTES or head[:4] != GGUF_MAGIC:
+            raise ValueError("not a GGUF file")
+        tensors, count = struct.unpack_from("<QQ", head, 8)
+        reader = _Reader(f)
+        for _ in range(count):
+            reader.string()
+            reader.value(reader.u32())
+        total = 0
+        for _ in range(tensors):
+            reader.string()
+            total += int(np.prod([reader.u64() for _ in range(reader.u32())], dtype=np.int64))
+            reader.u32(), reader.u64()  # type, offset
+        return total
+
+
 def write_metadata_only(path: str, dest: str) -> None:
     """`dest`: a GGUF file with `path`'s metadata and no tensors. transformers builds a GGUF's
     tokenizer through gguf-py's GGUFReader, which also parses the tensor table and refuses a file

@@ -24,6 +24,8 @@ class ModelFacts:
     architecture: str  # GGUF general.architecture, config.json model_type; "" when unknown
     context_length: int | None = None  # what the model was trained for; None when unknown
     chat_template: str | None = None
+    parameter_count: int | None = None  # a GGUF's weights, from its tensor table; None when not read
+    quantization: str = ""  # a GGUF's general.file_type by llama.cpp's name ("Q4_K_M"); "" when unknown
 
 
 UNKNOWN = ModelFacts("")
@@ -45,13 +47,25 @@ def _read(path: str, stamp: FileStamp) -> ModelFacts:
 
 
 def _gguf(path: str) -> ModelFacts:
-    from tokenmill.model.gguf_metadata import read_gguf_metadata
+    from tokenmill.model.gguf_metadata import read_gguf_metadata, read_gguf_parameter_count
 
     meta = read_gguf_metadata(path)
     arch = str(meta.get("general.architecture", ""))
     template = meta.get("tokenizer.chat_template")
     return ModelFacts(arch, _positive_int(meta.get(f"{arch}.context_length")),
-                      template if isinstance(template, str) else None)
+                      template if isinstance(template, str) else None, read_gguf_parameter_count(path),
+                      _file_type_name(meta.get("general.file_type")))
+
+
+def _file_type_name(value: Any) -> str:
+    """llama.cpp's name of a general.file_type ("Q4_K_M", "F16"); "" for none or one gguf-py does not know."""
+    from gguf import LlamaFileType
+
+    try:
+        name = LlamaFileType(int(value)).name
+    except (TypeError, ValueError):
+        return ""
+    return "" if name == "GUESSED" else name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
 def _folder(path: str) -> ModelFacts:

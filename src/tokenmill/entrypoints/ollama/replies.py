@@ -86,8 +86,10 @@ class ModelCard:
 
     def details(self) -> dict[str, Any]:
         fmt = "gguf" if self.path.lower().endswith(".gguf") else "safetensors"
+        count = self.facts.parameter_count
         return {"parent_model": "", "format": fmt, "family": self.architecture, "families": [self.architecture],
-                "parameter_size": "", "quantization_level": ""}
+                "parameter_size": human_number(count) if count else "",
+                "quantization_level": self.facts.quantization}
 
     def tag(self) -> dict[str, Any]:
         return {"name": f"{self.name}:latest", "model": f"{self.name}:latest", "modified_at": self.modified,
@@ -110,3 +112,12 @@ class ModelCard:
 
 def _folder_size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def human_number(n: int) -> str:
+    """A parameter count as Ollama writes it (its format.HumanNumber): "8B", "7.6B", "134.52M", "512K"."""
+    for unit, scale, digits in (("B", 1e9, 1), ("M", 1e6, 2)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.{digits}f}{unit}"
+    return f"{n / 1e3:.0f}K" if n >= 1000 else str(n)

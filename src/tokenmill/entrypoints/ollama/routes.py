@@ -44,6 +44,7 @@ from tokenmill.entrypoints.openai.serving_embedding import as_floats, embed_inpu
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.chat_prompt_timing import timed_chat_prompt_ids
 from tokenmill.frontend.forced_calls import ForcedCallState
+from tokenmill.frontend.model_router import keep_alive_seconds
 from tokenmill.frontend.reasoning_parser import ReasoningState
 from tokenmill.frontend.sequences import Seq, child_params
 from tokenmill.frontend.tokenize_pool import run_tokenizer
@@ -90,6 +91,12 @@ class OllamaServing:
         return card
 
     def check_model(self, body: dict[str, Any]) -> str:
+        """The model the body names (this server's, or 404), its keep_alive read as Ollama reads it (a
+        400 for one it would refuse, though one model stays loaded here whatever it says)."""
+        try:
+            keep_alive_seconds(body.get("keep_alive"))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="keep_alive") from None
         card = self.card()
         name = body.get("model")
         if name is not None and not isinstance(name, str):
