@@ -64,7 +64,7 @@ def test_capacity_admits_what_fits_and_refuses_what_does_not():
     cap = engine.scheduler.capacity_tokens
     assert LAYOUT.pages_needed(cap, PAGE, 8) <= 40 < LAYOUT.pages_needed(cap + PAGE, PAGE, 8)
     # The error says why a request's room is under the pool's 40 pages: the groups, and what to change.
-    with pytest.raises(InvalidRequest, match=rf"exceeds the KV cache \({cap} tokens a request: {40 * PAGE} token "
+    with pytest.raises(InvalidRequest, match=rf"exceeds the KV cache \({cap} tokens a request\); {40 * PAGE} token "
                                              rf"slots shared by {len(LAYOUT.groups)} KV groups.*prefill chunk of 8\); "
                                              "a larger kv_cache_tokens or a smaller max_num_batched_tokens"):
         engine.add_request("big", [1] * cap, greedy(PAGE))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import bundled_gguf, bundled_tokenizer
-from tokenmill.model.gguf_metadata import read_gguf_metadata, write_metadata_only
+from tokenmill.model.gguf_metadata import read_gguf_metadata, read_gguf_parameter_count, write_metadata_only
 
 
 def with_q2_0_tensor(metadata_only: Path, out: Path) -> Path:
@@ -50,6 +50,24 @@ def test_the_copy_holds_every_key_and_no_tensor(tmp_path):
     assert np.array_equal(ours["tokenizer.ggml.scores"], theirs["tokenizer.ggml.scores"])
     with pytest.raises(ValueError, match="not a GGUF file"):
         write_metadata_only(__file__, str(tmp_path / "x.gguf"))
+
+
+def test_the_parameter_count_is_every_tensors_elements_read_past_any_metadata(tmp_path):
+    path = tmp_path / "count.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "<s>"])  # strings, numbers, a nested array
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.0, 0.0])
+    writer.add_key_value("x.nested", [[1, 2], [3]], gguf.GGUFValueType.ARRAY)
+    writer.add_float32("x.eps", 1e-5)
+    writer.add_tensor("a", np.zeros((3, 5), np.float32))
+    writer.add_tensor("b", np.zeros(7, np.float32))
+    writer.add_tensor("c", np.zeros((2, 18), np.int8), raw_shape=(2, 64), raw_dtype=42)  # a type gguf-py lacks
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_gguf_parameter_count(str(path)) == 15 + 7 + 128
+    assert read_gguf_metadata(str(path))["x.eps"] == pytest.approx(1e-5)  # the same header, read through
 
 
 def test_a_bpe_tokenizer_builds_from_a_file_with_a_type_gguf_py_lacks(tmp_path):

@@ -61,7 +61,7 @@ def resolve_max_tokens(params: SamplingParams, n_prompt: int, vocab_size: int, m
     if n_prompt + max_tokens > capacity:
         raise InvalidRequest(
             f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
-            f"({capacity} tokens a request: {capacity_note or 'raise kv_cache_tokens or lower max_tokens'})",
+            f"({capacity} tokens a request); {capacity_note or 'raise kv_cache_tokens or lower max_tokens'}",
             param="max_tokens",
         )
     return max_tokens

@@ -1,4 +1,5 @@
-"""Reads a GGUF file's key-value metadata alone (no tensor index), arrays included.
+"""Reads a GGUF file's key-value metadata alone (no tensor index), arrays included; and, for Ollama's
+listings, the weights its tensor table counts (`read_gguf_parameter_count`, skipping the metadata).
 
 gguf-py's GGUFReader makes one numpy part per element of every array: for a 262,144-token
 vocabulary (tokens, scores, types) that took close to a minute on a loaded 2-core machine. Here
@@ -38,8 +39,8 @@ def read_gguf_parameter_count(path: str) -> int:
         tensors, count = struct.unpack_from("<QQ", head, 8)
         reader = _Reader(f)
         for _ in range(count):
-            reader.string()
-            reader.value(reader.u32())
+            reader.skip(_STRING)
+            reader.skip(reader.u32())
         total = 0
         for _ in range(tensors):
             reader.string()
@@ -87,6 +88,20 @@ class _Reader:
 
     def string(self) -> str:
         return self.f.read(self.u64()).decode("utf-8", errors="replace")
+
+    def skip(self, kind: int) -> None:
+        """Past a value of `kind` without decoding it (a vocabulary's strings are most of a header)."""
+        if kind == _STRING:
+            self.f.seek(self.u64(), 1)
+        elif kind == _ARRAY:
+            item, n = self.u32(), self.u64()
+            if item in (_STRING, _ARRAY):
+                for _ in range(n):
+                    self.skip(item)
+            else:
+                self.f.seek(np.dtype(_NUMPY[item]).itemsize * n, 1)
+        else:
+            self.f.seek(struct.calcsize(_SCALARS[kind]), 1)
 
     def value(self, kind: int) -> Any:
         if kind == _STRING:
