@@ -49,8 +49,8 @@ def test_a_hybrid_pools_error_says_why_a_request_has_less_room_than_the_pool():
     note = "4096 token slots shared by 6 KV groups, ..."
     hybrid = SchedulerReady("m", max_model_len=32768, vocab_size=50, kv_capacity_tokens=680,
                             supports_cache_salt=True, supports_prompt_logprobs=True, kv_capacity_note=note)
-    with pytest.raises(InvalidRequest, match=r"exceeds the KV cache \(680 tokens a request: 4096 token slots shared by 6"):
+    with pytest.raises(InvalidRequest, match=r"exceeds the KV cache \(680 tokens a request\); 4096 token slots shared by 6"):
         check_prompt([1] * 600, SamplingParams(max_tokens=100), hybrid, "prompt")
-    with pytest.raises(InvalidRequest, match=r"exceeds the KV cache \(\d+ tokens\)"):  # one group: nothing to add
+    with pytest.raises(InvalidRequest, match=r"exceeds the KV cache \(\d+ tokens a request\)$"):  # one group: nothing to add
         check_prompt([1] * 600, SamplingParams(max_tokens=POOL), limits(), "prompt")
 

@@ -12,7 +12,11 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import bundled_gguf, bundled_tokenizer
-from tokenmill.model.gguf_metadata import read_gguf_metadata, read_gguf_parameter_count, write_metadata_only
+from tokenmill.model.gguf_metadata import (
+    read_gguf_metadata,
+    read_gguf_metadata_and_parameters,
+    write_metadata_only,
+)
 
 
 def with_q2_0_tensor(metadata_only: Path, out: Path) -> Path:
@@ -66,8 +70,9 @@ def test_the_parameter_count_is_every_tensors_elements_read_past_any_metadata(tm
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert read_gguf_parameter_count(str(path)) == 15 + 7 + 128
-    assert read_gguf_metadata(str(path))["x.eps"] == pytest.approx(1e-5)  # the same header, read through
+    meta, parameters = read_gguf_metadata_and_parameters(str(path))
+    assert parameters == 15 + 7 + 128
+    assert meta.keys() == read_gguf_metadata(str(path)).keys() and meta["x.eps"] == pytest.approx(1e-5)
 
 
 def test_a_bpe_tokenizer_builds_from_a_file_with_a_type_gguf_py_lacks(tmp_path):

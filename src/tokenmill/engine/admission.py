@@ -49,8 +49,8 @@ def resolve_max_tokens(params: SamplingParams, n_prompt: int, vocab_size: int, m
         max_tokens = min(room, capacity - n_prompt)
         if max_tokens < 1:
             raise InvalidRequest(
-                f"the prompt has {n_prompt} tokens, which fills the KV cache ({capacity} tokens) and "
-                "leaves no room for output", param="prompt",
+                f"the prompt has {n_prompt} tokens, which fills the KV cache ({capacity} tokens a request) and "
+                f"leaves no room for output{'; ' + capacity_note if capacity_note else ''}", param="prompt",
             )
     if max_tokens > room:
         raise InvalidRequest(

@@ -46,7 +46,7 @@ def check_prompt(ids: Sequence[int], params: SamplingParams, limits: SchedulerRe
         if max_tokens < 1:
             raise InvalidRequest(
                 f"the prompt has {len(ids)} tokens, which fills the KV cache ({limits.kv_capacity_tokens} "
-                f"tokens{_note(limits)}) and leaves no room for output", param=param,
+                f"tokens a request) and leaves no room for output{_note(limits)}", param=param,
             )
     if max_tokens > room:
         raise RequestError(
@@ -57,13 +57,14 @@ def check_prompt(ids: Sequence[int], params: SamplingParams, limits: SchedulerRe
     if len(ids) + max_tokens > limits.kv_capacity_tokens:
         raise InvalidRequest(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
-            f"({limits.kv_capacity_tokens} tokens{_note(limits)})", param="max_tokens",
+            f"({limits.kv_capacity_tokens} tokens a request){_note(limits)}", param="max_tokens",
         )
 
 
 def _note(limits: SchedulerReady) -> str:
-    """Why a request has less room than the pool has slots (hybrid KV groups), or ""."""
-    return f" a request: {limits.kv_capacity_note}" if limits.kv_capacity_note else ""
+    """Why a request has less room than the pool has slots (hybrid KV groups), after "; ", or "" (as
+    engine/admission.py words it)."""
+    return f"; {limits.kv_capacity_note}" if limits.kv_capacity_note else ""
 
 
 def check_embedding_input(ids: Sequence[int], limits: SchedulerReady, param: str) -> None:

@@ -1,5 +1,5 @@
 """Reads a GGUF file's key-value metadata alone (no tensor index), arrays included; and, for Ollama's
-listings, the weights its tensor table counts (`read_gguf_parameter_count`, skipping the metadata).
+listings, with the weights its tensor table counts (`read_gguf_metadata_and_parameters`).
 
 gguf-py's GGUFReader makes one numpy part per element of every array: for a 262,144-token
 vocabulary (tokens, scores, types) that took close to a minute on a loaded 2-core machine. Here
@@ -30,23 +30,22 @@ def read_gguf_metadata(path: str) -> dict[str, Any]:
         return {reader.string(): reader.value(reader.u32()) for _ in range(count)}
 
 
-def read_gguf_parameter_count(path: str) -> int:
-    """The weights in the file's tensor table (every tensor's element count), read past the metadata."""
+def read_gguf_metadata_and_parameters(path: str) -> tuple[dict[str, Any], int]:
+    """read_gguf_metadata's keys, and the weights the tensor table after them counts (every tensor's
+    elements), in one pass over the header."""
     with open(path, "rb") as f:
         head = f.read(_HEADER_BYTES)
         if len(head) < _HEADER_BYTES or head[:4] != GGUF_MAGIC:
             raise ValueError("not a GGUF file")
         tensors, count = struct.unpack_from("<QQ", head, 8)
         reader = _Reader(f)
-        for _ in range(count):
-            reader.skip(_STRING)
-            reader.skip(reader.u32())
+        meta = {reader.string(): reader.value(reader.u32()) for _ in range(count)}
         total = 0
         for _ in range(tensors):
             reader.string()
             total += int(np.prod([reader.u64() for _ in range(reader.u32())], dtype=np.int64))
             reader.u32(), reader.u64()  # type, offset
-        return total
+        return meta, total
 
 
 def write_metadata_only(path: str, dest: str) -> None:
@@ -88,20 +87,6 @@ class _Reader:
 
     def string(self) -> str:
         return self.f.read(self.u64()).decode("utf-8", errors="replace")
-
-    def skip(self, kind: int) -> None:
-        """Past a value of `kind` without decoding it (a vocabulary's strings are most of a header)."""
-        if kind == _STRING:
-            self.f.seek(self.u64(), 1)
-        elif kind == _ARRAY:
-            item, n = self.u32(), self.u64()
-            if item in (_STRING, _ARRAY):
-                for _ in range(n):
-                    self.skip(item)
-            else:
-                self.f.seek(np.dtype(_NUMPY[item]).itemsize * n, 1)
-        else:
-            self.f.seek(struct.calcsize(_SCALARS[kind]), 1)
 
     def value(self, kind: int) -> Any:
         if kind == _STRING:

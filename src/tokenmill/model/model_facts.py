@@ -47,13 +47,13 @@ def _read(path: str, stamp: FileStamp) -> ModelFacts:
 
 
 def _gguf(path: str) -> ModelFacts:
-    from tokenmill.model.gguf_metadata import read_gguf_metadata, read_gguf_parameter_count
+    from tokenmill.model.gguf_metadata import read_gguf_metadata_and_parameters
 
-    meta = read_gguf_metadata(path)
+    meta, parameters = read_gguf_metadata_and_parameters(path)
     arch = str(meta.get("general.architecture", ""))
     template = meta.get("tokenizer.chat_template")
     return ModelFacts(arch, _positive_int(meta.get(f"{arch}.context_length")),
-                      template if isinstance(template, str) else None, read_gguf_parameter_count(path),
+                      template if isinstance(template, str) else None, parameters,
                       _file_type_name(meta.get("general.file_type")))
 
 

@@ -113,7 +113,7 @@ def _rows(w: Weight, start: int, end: int) -> Weight:
     return w[start:end].contiguous()
 
 
-def _columns(w: Weight, start: int, end: int, name: str = "", cuts: list[Cut] | None = None) -> Weight:
+def _columns(w: Weight, start: int, end: int, name: str, cuts: list[Cut]) -> Weight:
     if not isinstance(w, (QuantizedWeight, GGUFWeight)):
         return w[:, start:end].contiguous()
     block = w.format.block_elems if isinstance(w, GGUFWeight) else GROUP
@@ -123,9 +123,7 @@ def _columns(w: Weight, start: int, end: int, name: str = "", cuts: list[Cut] | 
     # packed. Dense fp32 keeps the file's values exact.
     k = w.shape[1]
     dense = w.dequantize(torch.float32)[:, start:end].contiguous()
-    if cuts is not None:
-        cuts.append(Cut(name or "a weight", w.kind, block, k, w.nbytes * (end - start) // k,
-                        dense.numel() * dense.element_size()))
+    cuts.append(Cut(name, w.kind, block, k, w.nbytes * (end - start) // k, dense.numel() * dense.element_size()))
     return dense
 
 

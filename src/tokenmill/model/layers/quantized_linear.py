@@ -92,8 +92,8 @@ class QuantizedLinear:
         # call does.
         takes_bf16 = (self._blocked is not None and bias is None
                       and quant_kernel.tiles_take_bf16(weight, two_tile_terms=two_tile_terms))
-        self._tiles_bf16_rows = (quant_kernel.tiles_min_rows()
-                                 if takes_bf16 and quant_kernel.tiles_min_rows() < self._gemm_rows else None)
+        tiles_rows = quant_kernel.tiles_min_rows() if takes_bf16 else None
+        self._tiles_bf16_rows = tiles_rows if tiles_rows is not None and tiles_rows < self._gemm_rows else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._blocked is not None and x.shape[0] < self._gemm_rows and self.bias is None:
