@@ -65,3 +65,17 @@ def test_flag_takes_a_file_or_inline_jinja(tmp_path):
         load_chat_template(str(broken))
     with pytest.raises(ValueError, match="is a folder"):
         load_chat_template(str(tmp_path))
+
+
+def test_ollama_generate_without_a_template_sends_the_prompt_as_it_is():
+    # Ollama renders a model that has no template with `{{ .Prompt }}`; its chat route still needs one.
+    tokenizer = without_template()
+    http = app_with(tokenizer)
+    reply = http.post("/api/generate", json={"model": "fake-model", "prompt": "1, 2, 3,", "system": "Count.",
+                                             "stream": False})
+    assert reply.status_code == 200, reply.text
+    prompt = tokenizer.encode("1, 2, 3,")
+    context = reply.json()["context"]
+    assert context[:len(prompt)] == prompt and len(context) > len(prompt)
+    chat = http.post("/api/chat", json={"model": "fake-model", "messages": CHAT["messages"], "stream": False})
+    assert chat.status_code == 400 and "--chat-template" in chat.json()["error"]

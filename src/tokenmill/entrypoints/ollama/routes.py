@@ -156,7 +156,8 @@ class OllamaServing:
             raise InvalidRequest("think: this server has no reasoning parser (start it with --reasoning-parser)",
                                  param="think")
         kwargs = {"enable_thinking": bool(think)} if think is not None else None
-        if not chat and body.get("raw"):
+        # Ollama's template for a model that has none is `{{ .Prompt }}`: the prompt as it is, no system
+        if not chat and (body.get("raw") or not getattr(manager.tokenizer, "chat_template", None)):
             ids = await run_tokenizer(manager, _encode_raw, body.get("prompt") or "")
         else:
             ids, _ = await run_tokenizer(manager, timed_chat_prompt_ids, req.messages, manager.limits.max_model_len,
