@@ -166,3 +166,15 @@ def test_the_new_endpoints_share_timelines_metrics_and_the_request_log(server, c
         timeline = httpx.get(f"{server.url}/v1/requests/{request_id}/timeline", timeout=60, headers=AUTH)
         assert timeline.status_code == 200 and timeline.json()["sequences"][0]["frontend"]["tokenized"] is not None
     assert _finished_count(server) >= before + 2
+
+
+def test_a_prefilled_reply_is_continued_on_the_real_model(server, client, model):
+    turns = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital of France is"}]
+    chat = client.chat.completions.create(model=model, messages=turns, temperature=0, max_tokens=4,
+                                          extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                                                      "echo": True})
+    assert chat.choices[0].message.content.startswith("The capital of France is Paris")
+    claude = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=180)
+    msg = claude.messages.create(model=model, max_tokens=4, messages=turns, extra_body={"temperature": 0})
+    assert msg.content[0].text.startswith(" Paris")

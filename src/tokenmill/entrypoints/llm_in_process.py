@@ -76,10 +76,14 @@ class InProcessLLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
+        """Each conversation rendered by the model's chat template and generated; with
+        `continue_final_message` (and add_generation_prompt=False) the reply continues the final message."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": self.chat_prompt_ids(conv, add_generation_prompt, tools, chat_template_kwargs)}
+            {"prompt_token_ids": self.chat_prompt_ids(conv, add_generation_prompt, tools, chat_template_kwargs,
+                                                      continue_final_message)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -90,9 +94,11 @@ class InProcessLLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools, chat_template_kwargs=chat_template_kwargs
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
         )
 
     def embed(self, prompts: PromptType | Sequence[PromptType],

@@ -21,6 +21,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenmill.errors import InvalidRequest
+from tokenmill.frontend.final_message import cut_after_final_message
 from tokenmill.frontend.tool_messages import shape_tool_fields
 
 logger = logging.getLogger(__name__)
@@ -68,8 +69,14 @@ def render_chat_template(
     bos_token: str | None = None,
     eos_token: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
-    """The prompt text for `messages`; every user-facing problem is an InvalidRequest."""
+    """The prompt text for `messages`; every user-facing problem is an InvalidRequest. With
+    `continue_final_message` the text ends inside the final message (frontend/final_message.py)."""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true: set "
+                             "add_generation_prompt to false to continue the final message",
+                             param="continue_final_message")
     if not template:
         raise InvalidRequest(
             "the model has no chat template (a base model?): start the server with --chat-template "
@@ -93,7 +100,7 @@ def render_chat_template(
         "add_generation_prompt": bool(add_generation_prompt),
     }
     try:
-        return compiled.render(**variables)
+        rendered = compiled.render(**variables)
     except jinja2.TemplateError as exc:  # raise_exception() in the template, or a sandbox refusal
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
     except Exception as exc:  # e.g. TypeError from `'x' + message['content']` on an unexpected type
@@ -103,6 +110,7 @@ def render_chat_template(
             "the chat template could not render these messages: a field has a type or value it does not "
             "accept (check each message's role and content)", param="messages",
         ) from exc
+    return cut_after_final_message(rendered, messages) if continue_final_message else rendered
 
 
 def _normalize_messages(messages: Any, as_parts: bool) -> list[dict[str, Any]]:

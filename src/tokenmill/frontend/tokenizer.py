@@ -138,6 +138,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         template = self._chat_template
         if tools and "tool_use" in self._named_templates:
@@ -151,6 +152,7 @@ class Tokenizer:
             bos_token=self.bos_token,
             eos_token=self.eos_token,
             chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
         )
 
     def apply_chat_template(
@@ -160,12 +162,14 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
         )
         # The template writes any BOS itself; transformers also tokenizes without special tokens here.
         return self.encode(text, add_special_tokens=False)

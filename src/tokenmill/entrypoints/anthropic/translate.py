@@ -6,7 +6,8 @@ become `tool` messages (one per result, in order, before the turn's text), an as
 turns are dropped (templates do not show past thoughts). Tools carry `input_schema` where OpenAI's
 carry `parameters`; tool_choice `auto` / `any` / `tool` / `none` are chat's "auto" / "required" / a
 named function / "none", and `disable_parallel_tool_use` is parallel_tool_calls false. Every
-refusal names the field as the client sent it (`messages[1].content[0].tool_use_id`).
+refusal names the field as the client sent it (`messages[1].content[0].tool_use_id`). A final
+assistant turn with text is the reply's start: the reply continues it (frontend/final_message.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from tokenmill.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.errors import InvalidRequest
+from tokenmill.frontend.final_message import prefill_flags
 
 
 def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
@@ -84,6 +86,19 @@ def _assistant_blocks(blocks: list[Any], at: str, messages: list[dict[str, Any]]
     if calls:
         message["tool_calls"] = calls
     messages.append(message)
+
+
+def _with_prefill(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with its final assistant turn as the reply's start: continued where it holds
+    text (as Anthropic does, which refuses one that ends in whitespace), left out where it is empty."""
+    last = messages[-1] if messages else None
+    if last is None or last["role"] != "assistant" or last.get("tool_calls"):
+        return messages
+    if not last["content"]:
+        return messages[:-1]
+    if last["content"] != last["content"].rstrip():
+        raise _invalid("messages: final assistant content cannot end with trailing whitespace")
+    return messages
 
 
 def _kind(block: Any, where: str) -> str:
@@ -158,8 +173,9 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     stops = getattr(req, "stop_sequences", None)
     if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops)):
         raise _invalid("stop_sequences must be a list of non-empty strings", "stop_sequences")
-    body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req), "tools": chat_tools(req.tools),
-                            "tool_choice": choice, "parallel_tool_calls": parallel}
+    messages = chat_messages(req)
+    body: dict[str, Any] = {"model": req.model, "messages": _with_prefill(messages), "tools": chat_tools(req.tools),
+                            "tool_choice": choice, "parallel_tool_calls": parallel, **prefill_flags(messages)}
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k)

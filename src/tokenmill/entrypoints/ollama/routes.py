@@ -43,6 +43,7 @@ from tokenmill.entrypoints.openai.serving_common import (
 from tokenmill.entrypoints.openai.serving_embedding import as_floats, embed_inputs
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.chat_prompt_timing import timed_chat_prompt_ids
+from tokenmill.frontend.final_message import prefill_flags
 from tokenmill.frontend.forced_calls import ForcedCallState
 from tokenmill.frontend.model_router import keep_alive_seconds
 from tokenmill.frontend.reasoning_parser import ReasoningState
@@ -111,7 +112,8 @@ class OllamaServing:
         model = self.check_model(body)
         if not body.get("messages"):
             return self._load_reply(model, body, {"message": {"role": "assistant", "content": ""}})
-        fields = {"messages": chat_messages(body["messages"])}
+        fields: dict[str, Any] = {"messages": chat_messages(body["messages"])}
+        fields.update(prefill_flags(fields["messages"]))  # Ollama continues a final assistant message
         choice = tool_choice(body.get("options"))
         if body.get("tools"):
             fields["tools"] = body["tools"]
@@ -161,7 +163,9 @@ class OllamaServing:
             ids = await run_tokenizer(manager, _encode_raw, body.get("prompt") or "")
         else:
             ids, _ = await run_tokenizer(manager, timed_chat_prompt_ids, req.messages, manager.limits.max_model_len,
-                                         add_generation_prompt=True, tools=req.tools, chat_template_kwargs=kwargs)
+                                         add_generation_prompt=req.add_generation_prompt is not False, tools=req.tools,
+                                         chat_template_kwargs=kwargs,
+                                         continue_final_message=bool(req.continue_final_message))
         context = body.get("context") if not chat else None
         if context:
             if not isinstance(context, list) or not all(_is_token_id(t) for t in context):

@@ -134,6 +134,7 @@ class ChatRunner(ServingBase):
             add_generation_prompt=req.add_generation_prompt is not False,
             tools=req.tools,
             chat_template_kwargs=req.chat_template_kwargs,
+            continue_final_message=bool(req.continue_final_message),
         )
 
     def _reasoning_states(self, n: int) -> list[ReasoningState] | None:

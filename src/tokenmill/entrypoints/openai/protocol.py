@@ -74,6 +74,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call (the grammar's, when forced)
     add_generation_prompt: bool | None = True
+    # vLLM's: the reply continues the final message (with add_generation_prompt false), and `echo`
+    # starts the reply's content with that message's text when it is the assistant's.
+    continue_final_message: bool | None = False
+    echo: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -96,6 +100,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[Any] | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     add_special_tokens: bool | None = True  # a prompt only: messages are tokenized as chat completions do
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -10,7 +10,8 @@ a request with `tools` (and `tool_choice` not "none") gets the message's `tool_c
 `finish_reason: "tool_calls"`, or, streamed, one delta with each call's index, id and name, then its
 arguments, as OpenAI sends them. tool_choice "required" or a named function is generated under the
 tools' schemas (params.forced_call_schema); a forced reply cut by max_tokens returns the calls it
-completed with finish_reason "length", never its JSON as content.
+completed with finish_reason "length", never its JSON as content. vLLM's `continue_final_message`
+continues the final message (frontend/final_message.py) and `echo` starts the content with it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     with_timing,
 )
 from tokenmill.frontend.choice_events import CallArguments, CallStarted, Event, Reasoning, Text
+from tokenmill.frontend.final_message import final_text
 from tokenmill.frontend.tool_call import ToolCall
 
 
@@ -50,9 +52,10 @@ class ChatServing(ChatRunner):
         req = await parse_body(raw, ChatCompletionRequest)
         run = await self.start(raw, req, arrival)
         want_logprobs = run.params.logprobs is not None
+        echo = _echoed(req)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = self._stream(run, want_logprobs, include_usage)
+            stream = self._stream(run, want_logprobs, include_usage, echo)
             if req.include_timing:
                 head = {"id": run.request_id, "object": "chat.completion.chunk", "created": now_s(), "model": run.model}
                 stream = with_timing(stream, self.manager, run.request_id, head)
@@ -62,13 +65,13 @@ class ChatServing(ChatRunner):
             await unless_disconnected(raw, run.collect())
         except ClientDisconnected:
             return disconnected_response()
-        body = self._body(run, want_logprobs)
+        body = self._body(run, want_logprobs, echo)
         run.record.set_usage(body["usage"])
         if req.include_timing:
             body["timing"] = await request_timing(self.manager, run.request_id)
         return json_response(body, self.manager, run.request_id, arrival)
 
-    def _body(self, run: ChatRun, want_logprobs: bool) -> dict:
+    def _body(self, run: ChatRun, want_logprobs: bool, echo: str) -> dict:
         def message(i: int) -> dict:
             stream = run.streams[i]
             body: dict = {"role": "assistant", "content": stream.text}
@@ -76,6 +79,8 @@ class ChatServing(ChatRunner):
                 body["reasoning_content"] = stream.reasoning_text or None
             if stream.calls or stream.forced:
                 body["content"] = body["content"] or None  # a forced reply is calls, never text
+            if echo:
+                body["content"] = echo + (body["content"] or "")
             if stream.calls:
                 body["tool_calls"] = [_call_json(call) for call in stream.calls]
             return body
@@ -98,7 +103,8 @@ class ChatServing(ChatRunner):
             "usage": run.usage(),
         }
 
-    async def _stream(self, run: ChatRun, want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, run: ChatRun, want_logprobs: bool, include_usage: bool,
+                      echo: str) -> AsyncIterator[str]:
         base = {"id": run.request_id, "object": "chat.completion.chunk", "created": now_s(), "model": run.model}
 
         def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None,
@@ -114,6 +120,8 @@ class ChatServing(ChatRunner):
         try:
             for i in range(len(run.streams)):
                 yield chunk(i, {"role": "assistant", "content": ""})
+                if echo:
+                    yield chunk(i, {"content": echo})
             async for i, out, events in run.events():
                 deltas = _deltas_of(events)
                 if not (deltas or out.logprobs or out.finished):
@@ -138,6 +146,15 @@ class ChatServing(ChatRunner):
         if include_usage:
             yield sse({**base, "choices": [], "usage": final_usage})
         yield DONE
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """What `echo` puts before each reply (vLLM's rule): the final message's text when it is the
+    assistant's, the turn the reply continues; nothing otherwise."""
+    last = req.messages[-1] if req.messages else None
+    if not req.echo or not isinstance(last, dict) or last.get("role") != "assistant":
+        return ""
+    return final_text(req.messages) or ""
 
 
 def _deltas_of(events: list[Event]) -> list[dict]:

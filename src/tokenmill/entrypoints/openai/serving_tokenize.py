@@ -45,7 +45,7 @@ class TokenizeServing:
             ids = await run_tokenizer(
                 self.manager, Tokenizer.apply_chat_template, req.messages,
                 add_generation_prompt=req.add_generation_prompt is not False, tools=req.tools,
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template_kwargs=req.chat_template_kwargs, continue_final_message=bool(req.continue_final_message),
             )
         else:
             ids = await run_tokenizer(self.manager, Tokenizer.encode, req.prompt, req.add_special_tokens is not False)

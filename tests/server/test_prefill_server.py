@@ -1,0 +1,81 @@
+"""A final assistant message continued, not answered, on every route that has one (fake manager that
+records each prompt): chat completions under vLLM's `continue_final_message` (and `echo`), /tokenize,
+Anthropic's prefill, Ollama's chat; what cannot be continued is a 400 naming the field."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+
+from tests.server.fake_server import client_of, sdk_client
+from tests.server.test_responses_api import app_with
+
+QUESTION = {"role": "user", "content": "What is the capital of France?"}
+START = "The capital of France is"
+PREFILLED = [QUESTION, {"role": "assistant", "content": START}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+def ends_inside_the_turn(prompt: str) -> bool:
+    return prompt.endswith("<|im_start|>assistant\n" + START)
+
+
+def test_chat_continues_the_final_message_and_echo_starts_the_content_with_it():
+    app, manager = app_with(" Paris.")
+    with client_of(app) as http:
+        client = sdk_client(http)
+        plain = client.chat.completions.create(model="fake-model", messages=PREFILLED, extra_body=CONTINUE)
+        echoed = client.chat.completions.create(model="fake-model", messages=PREFILLED,
+                                                extra_body={**CONTINUE, "echo": True})
+        stream = client.chat.completions.create(model="fake-model", messages=PREFILLED, stream=True,
+                                                extra_body={**CONTINUE, "echo": True})
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream)
+        new_turn = client.chat.completions.create(model="fake-model", messages=PREFILLED, extra_body={"echo": True})
+        ids = http.post("/tokenize", json={"model": "fake-model", "messages": PREFILLED, **CONTINUE}).json()["tokens"]
+    assert all(ends_inside_the_turn(p) for p in manager.prompts[:3])
+    assert plain.choices[0].message.content == " Paris."
+    assert echoed.choices[0].message.content == streamed == START + " Paris."
+    # echo repeats an assistant's final turn even when the reply opens a new one (vLLM's rule)
+    assert manager.prompts[3].endswith(START + "<|im_end|>\n<|im_start|>assistant\n")
+    assert new_turn.choices[0].message.content == START + " Paris."
+    assert manager.tokenizer.decode(ids, skip_special_tokens=False) == manager.prompts[0]
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"continue_final_message": True}, "cannot both be true"),
+    ({**CONTINUE, "messages": [QUESTION, {"role": "assistant", "content": ""}]}, "needs a final message with text"),
+])
+def test_what_cannot_be_continued_is_a_400(body, says):
+    app, _ = app_with("x")
+    with client_of(app) as http:
+        reply = http.post("/v1/chat/completions", json={"model": "fake-model", "messages": PREFILLED, **body})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert says in error["message"] and error["param"] == "continue_final_message"
+
+
+def test_anthropic_prefill_is_continued_and_the_reply_is_only_what_follows():
+    app, manager = app_with(" Paris.")
+    with client_of(app) as http:
+        client = anthropic.Anthropic(base_url=str(http.base_url), api_key="k", http_client=http, max_retries=0)
+        msg = client.messages.create(model="fake-model", max_tokens=5, messages=PREFILLED)
+        count = client.messages.count_tokens(model="fake-model", messages=PREFILLED)
+        empty = client.messages.create(model="fake-model", max_tokens=5, messages=[
+            QUESTION, {"role": "assistant", "content": []}])
+        with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+            client.messages.create(model="fake-model", max_tokens=5, messages=[
+                QUESTION, {"role": "assistant", "content": START + " "}])
+    assert ends_inside_the_turn(manager.prompts[0]) and msg.content[0].text == " Paris."
+    assert count.input_tokens == msg.usage.input_tokens
+    # an empty final turn is no prefill: the reply opens its own turn
+    assert manager.prompts[1].endswith(QUESTION["content"] + "<|im_end|>\n<|im_start|>assistant\n")
+    assert empty.content[0].text == " Paris."
+
+
+def test_ollama_chat_continues_a_final_assistant_message():
+    app, manager = app_with(" Paris.")
+    with client_of(app) as http:
+        reply = http.post("/api/chat", json={"model": "fake-model", "messages": PREFILLED, "stream": False}).json()
+        asked = http.post("/api/chat", json={"model": "fake-model", "messages": [QUESTION], "stream": False}).json()
+    assert ends_inside_the_turn(manager.prompts[0]) and reply["message"]["content"] == " Paris."
+    assert manager.prompts[1].endswith("<|im_start|>assistant\n") and asked["message"]["content"] == " Paris."
