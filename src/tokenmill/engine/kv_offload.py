@@ -22,7 +22,8 @@ from typing import Any, Protocol
 from tokenmill.kvcache.disk_tier import DiskTier
 from tokenmill.kvcache.page_keys import chain_seed, page_keys
 from tokenmill.kvcache.page_pool import PagePool
-from tokenmill.kvcache.radix_cache import PrefixMatch, RadixCache
+from tokenmill.kvcache.radix_cache import RadixCache
+from tokenmill.kvcache.radix_node import PrefixMatch
 from tokenmill.model.gguf_parts import all_parts
 
 # Bytes of the model file hashed into its identity: its head (header and metadata) and tail.

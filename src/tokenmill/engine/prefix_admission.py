@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 from tokenmill.engine.request import Request
 from tokenmill.engine.window_groups import WindowGroups
 from tokenmill.kvcache.page_pool import PagePool
-from tokenmill.kvcache.radix_cache import PrefixMatch, RadixCache, RadixNode
+from tokenmill.kvcache.radix_cache import RadixCache
+from tokenmill.kvcache.radix_node import PrefixMatch, RadixNode
 
 if TYPE_CHECKING:
     from tokenmill.engine.kv_offload import KVOffload

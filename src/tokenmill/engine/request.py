@@ -12,7 +12,7 @@ from tokenmill.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.pooling import PooledState
-    from tokenmill.kvcache.radix_cache import RadixNode
+    from tokenmill.kvcache.radix_node import RadixNode
     from tokenmill.sample.logprobs import TokenLogprobs
 
 
