@@ -19,8 +19,9 @@ from tokenmill.entrypoints.openai.api_server import ServerConfig, ServerState, b
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.frontend.request_timelines import TimelineRing
 from tokenmill.frontend.sequences import Seq
+from tokenmill.frontend.server_status import ServerStatus
 from tokenmill.frontend.tokenizer import Tokenizer
-from tokenmill.frontend.tokenizer_manager import ServerStatus, TokenizerManager
+from tokenmill.frontend.tokenizer_manager import TokenizerManager
 from tokenmill.ipc.messages import Logprob, SchedulerReady, TextOutput
 
 MODEL = "fake-model"

@@ -10,7 +10,7 @@ from tests.engine.fake_runner import make_engine
 from tokenmill.engine.step_stats import DASHBOARD_STATS, PrefixTreeSummary
 from tokenmill.entrypoints.openai.dashboard_feed import DashboardFeed
 from tokenmill.frontend.live_latency import LiveLatency, percentiles
-from tokenmill.frontend.tokenizer_manager import ServerStatus
+from tokenmill.frontend.server_status import ServerStatus
 from tokenmill.ipc.messages import SchedulerStats, TextOutput
 from tokenmill.kvcache.page_pool import PagePool
 from tokenmill.kvcache.radix_cache import RadixCache

@@ -17,7 +17,7 @@ from tokenmill.entrypoints.openai.model_pool import ModelPool, PoolSettings
 from tokenmill.frontend.load_failures import LoadFailures
 from tokenmill.frontend.model_router import ModelEntry, ModelRouter, ModelState
 from tokenmill.frontend.request_error import RequestError
-from tokenmill.frontend.tokenizer_manager import ServerStatus
+from tokenmill.frontend.server_status import ServerStatus
 from tokenmill.model.preflight import check_model_path
 
 

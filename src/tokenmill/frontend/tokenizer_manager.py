@@ -9,13 +9,12 @@ It knows token ids, SamplingParams and text; HTTP and JSON are the entrypoint's 
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import zmq.asyncio
@@ -30,6 +29,7 @@ from tokenmill.frontend.request_error import RequestError
 from tokenmill.frontend.request_limits import check_embedding_input, check_prompt
 from tokenmill.frontend.request_timelines import PromptStages, TimelineRing, frontend_view
 from tokenmill.frontend.sequences import Seq, SeqState
+from tokenmill.frontend.server_status import MetricsSink, ServerStatus
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.ipc.channels import MAIN, SCHEDULER, AsyncReceiver, IpcPaths, Sender
 from tokenmill.ipc.messages import (
@@ -54,20 +54,6 @@ from tokenmill.sample.sampling_params import OutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 _EMBEDDING_PLACEHOLDER = SamplingParams(max_tokens=1)  # AddRequest's params, unused with `pooling`
-
-
-class ServerStatus(enum.Enum):
-    STARTING = "starting"
-    UP = "up"
-    UNHEALTHY = "unhealthy"
-
-
-class MetricsSink(Protocol):
-    def observe_queue_time(self, seconds: float) -> None: ...
-    def observe_first_token(self, seconds: float) -> None: ...
-    def observe_inter_token(self, seconds: float, count: int) -> None: ...
-    def observe_finished(self, e2e_seconds: float, finish_reason: str | None) -> None: ...
-    def observe_rejected(self, reason: str) -> None: ...
 
 
 def _ignore_result(task: asyncio.Future) -> None:

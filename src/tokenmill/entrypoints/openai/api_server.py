@@ -59,8 +59,9 @@ from tokenmill.frontend.live_bound import install_live_bound
 from tokenmill.frontend.model_router import RouterConfig
 from tokenmill.frontend.reasoning_parser import get_reasoning_parser
 from tokenmill.frontend.request_timelines import MAX_FINISHED
+from tokenmill.frontend.server_status import ServerStatus
 from tokenmill.frontend.tokenize_pool import TokenizePool
-from tokenmill.frontend.tokenizer_manager import RequestError, ServerStatus, TokenizerManager
+from tokenmill.frontend.tokenizer_manager import RequestError, TokenizerManager
 from tokenmill.frontend.tool_parsers import get_tool_parser
 from tokenmill.ipc.channels import IpcPaths
 

@@ -40,7 +40,8 @@ from tokenmill.frontend.load_failures import LoadFailures
 from tokenmill.frontend.model_router import ModelEntry, ModelRouter, ModelState
 from tokenmill.frontend.reasoning_parser import ReasoningParser
 from tokenmill.frontend.request_error import RequestError
-from tokenmill.frontend.tokenizer_manager import ServerStatus, TokenizerManager
+from tokenmill.frontend.server_status import ServerStatus
+from tokenmill.frontend.tokenizer_manager import TokenizerManager
 from tokenmill.frontend.tool_parsers import ToolParser
 from tokenmill.ipc.channels import MAIN, SCHEDULER, AsyncReceiver, IpcPaths, Sender
 from tokenmill.ipc.messages import ToMain

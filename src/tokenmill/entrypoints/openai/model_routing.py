@@ -49,7 +49,7 @@ from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.model_router import ModelEntry, ModelState, keep_alive_seconds
 from tokenmill.frontend.request_error import RequestError
 from tokenmill.frontend.request_timelines import MAX_FINISHED
-from tokenmill.frontend.tokenizer_manager import ServerStatus
+from tokenmill.frontend.server_status import ServerStatus
 from tokenmill.model.model_facts import model_facts
 
 logger = logging.getLogger(__name__)
