@@ -43,7 +43,9 @@ def test_chat_continues_the_final_message_and_echo_starts_the_content_with_it():
 
 @pytest.mark.parametrize(("body", "says"), [
     ({"continue_final_message": True}, "cannot both be true"),
-    ({**CONTINUE, "messages": [QUESTION, {"role": "assistant", "content": ""}]}, "needs a final message with text"),
+    ({**CONTINUE, "messages": [QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "needs a final message with text"),
 ])
 def test_what_cannot_be_continued_is_a_400(body, says):
     app, _ = app_with("x")

@@ -21,7 +21,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenmill.errors import InvalidRequest
-from tokenmill.frontend.final_message import cut_after_final_message
+from tokenmill.frontend.final_message import cut_at_tag, tag_final_message
 from tokenmill.frontend.tool_messages import shape_tool_fields
 
 logger = logging.getLogger(__name__)
@@ -91,11 +91,13 @@ def render_chat_template(
         raise InvalidRequest("tools must be a list of objects", param="tools")
     compiled = _compile(template)
     as_parts = bool(_ITERATES_CONTENT.search(template)) and not _TESTS_STRING.search(template)
+    normalized = _normalize_messages(messages, as_parts)
+    final = tag_final_message(normalized, messages) if continue_final_message else ""
     variables = {
         "bos_token": bos_token or "",
         "eos_token": eos_token or "",
         **_plain(extra),
-        "messages": _normalize_messages(messages, as_parts),
+        "messages": normalized,
         "tools": _plain(tools),
         "add_generation_prompt": bool(add_generation_prompt),
     }
@@ -110,7 +112,7 @@ def render_chat_template(
             "the chat template could not render these messages: a field has a type or value it does not "
             "accept (check each message's role and content)", param="messages",
         ) from exc
-    return cut_after_final_message(rendered, messages) if continue_final_message else rendered
+    return cut_at_tag(rendered, final) if continue_final_message else rendered
 
 
 def _normalize_messages(messages: Any, as_parts: bool) -> list[dict[str, Any]]:

@@ -4,8 +4,9 @@ Why: Anthropic's Messages API and Ollama's /api/chat continue a final assistant 
 is" -> the model writes on from there), and vLLM's chat completions do it under
 `continue_final_message`. A chat template only knows whole turns, so, as transformers'
 `apply_chat_template(continue_final_message=True)` does, the conversation is rendered without a
-generation prompt and the text is cut right after the final message's content: the end-of-turn marks
-the template writes after it are gone, and the model's next token continues the message.
+generation prompt, with a marker after the final message's text, and cut where the marker lands: the
+end-of-turn marks the template writes after it are gone, and the model's next token continues the
+message.
 """
 
 from __future__ import annotations
@@ -30,22 +31,40 @@ def final_text(messages: Any) -> str | None:
     return None
 
 
-def cut_after_final_message(rendered: str, messages: Any) -> str:
-    """`rendered` (the whole conversation, no generation prompt) up to the end of the final message's
-    text, where the model's reply continues it."""
-    text = final_text(messages)
-    if not text or not text.strip():
+# Appended to the final message before rendering, to find where the template wrote its end
+# (transformers' marker, so a template that trims the message is cut where transformers cuts it).
+_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def tag_final_message(messages: list[dict[str, Any]], sent: Any) -> str:
+    """Marks the end of the final message's text (its last text part) in `messages`, the copy of the
+    `sent` messages that the caller renders; returns that text as sent. A final message without text
+    (null content beside tool calls) has nothing to continue."""
+    if final_text(sent) is None:
         raise InvalidRequest("continue_final_message needs a final message with text to continue",
                              param="continue_final_message")
-    # Templates often trim a message (`content | trim`): look for the trimmed text, then keep what the
-    # template kept of the message's leading and trailing spaces.
-    at = rendered.rfind(text.strip())
-    if at < 0:
+    last = messages[-1]
+    content = last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + _TAG
+        return content
+    for part in reversed(content if isinstance(content, list) else []):
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            text = part["text"]
+            part["text"] = text + _TAG
+            return text
+    raise InvalidRequest("continue_final_message needs a final message with text to continue",
+                         param="continue_final_message")
+
+
+def cut_at_tag(rendered: str, text: str) -> str:
+    """`rendered` (the tagged conversation, no generation prompt) up to the end of the final message's
+    text, where the model's reply continues it; trailing spaces the template trimmed stay trimmed."""
+    at = rendered.rfind(_TAG.strip())
+    if at < 0 or text.strip() not in rendered:
         raise InvalidRequest("continue_final_message: the chat template does not write the final message's "
                              "text as it is, so the reply cannot continue it", param="continue_final_message")
-    kept = text.lstrip()
-    end = at + len(kept) if rendered[at:at + len(kept)] == kept else at + len(text.strip())
-    return rendered[:end]
+    return rendered[:at] if rendered[at:at + len(_TAG)] == _TAG else rendered[:at].rstrip()
 
 
 def prefill_flags(messages: list[dict[str, Any]]) -> dict[str, bool]:
