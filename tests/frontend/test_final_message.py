@@ -69,6 +69,6 @@ def test_prefill_flags_only_for_a_final_assistant_text() -> None:
     continued = {"add_generation_prompt": False, "continue_final_message": True}
     assert prefill_flags([QUESTION, {"role": "assistant", "content": "The"}]) == continued
     assert prefill_flags([QUESTION]) == {}
-    assert prefill_flags([QUESTION, {"role": "assistant", "content": " \n"}]) == {}
+    assert prefill_flags([QUESTION, {"role": "assistant", "content": ""}]) == continued  # the open turn
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     assert prefill_flags([QUESTION, {"role": "assistant", "content": "x", "tool_calls": [call]}]) == {}

@@ -79,3 +79,4 @@ def test_ollama_generate_without_a_template_sends_the_prompt_as_it_is():
     assert context[:len(prompt)] == prompt and len(context) > len(prompt)
     chat = http.post("/api/chat", json={"model": "fake-model", "messages": CHAT["messages"], "stream": False})
     assert chat.status_code == 400 and "--chat-template" in chat.json()["error"]
+    assert http.post("/api/show", json={"model": "fake-model"}).json()["template"] == "{{ .Prompt }}"

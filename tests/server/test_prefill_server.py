@@ -79,5 +79,8 @@ def test_ollama_chat_continues_a_final_assistant_message():
     with client_of(app) as http:
         reply = http.post("/api/chat", json={"model": "fake-model", "messages": PREFILLED, "stream": False}).json()
         asked = http.post("/api/chat", json={"model": "fake-model", "messages": [QUESTION], "stream": False}).json()
+        empty = http.post("/api/chat", json={"model": "fake-model", "stream": False, "messages": [
+            QUESTION, {"role": "assistant", "content": ""}]}).json()
     assert ends_inside_the_turn(manager.prompts[0]) and reply["message"]["content"] == " Paris."
     assert manager.prompts[1].endswith("<|im_start|>assistant\n") and asked["message"]["content"] == " Paris."
+    assert manager.prompts[2] == manager.prompts[1] and empty["message"]["content"] == " Paris."  # the open turn

@@ -69,8 +69,9 @@ def cut_at_tag(rendered: str, text: str) -> str:
 
 def prefill_flags(messages: list[dict[str, Any]]) -> dict[str, bool]:
     """The chat request's template flags for a conversation that ends with an assistant's text and no
-    tool calls (Anthropic's and Ollama's prefill): continue it rather than open a new turn."""
+    tool calls (Anthropic's and Ollama's prefill): continue it rather than open a new turn (an empty
+    text continued is the open turn)."""
     last = messages[-1] if messages else None
-    if last is None or last.get("role") != "assistant" or last.get("tool_calls") or not (final_text(messages) or "").strip():
+    if last is None or last.get("role") != "assistant" or last.get("tool_calls") or final_text(messages) is None:
         return {}
     return {"add_generation_prompt": False, "continue_final_message": True}

@@ -173,8 +173,8 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     stops = getattr(req, "stop_sequences", None)
     if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops)):
         raise _invalid("stop_sequences must be a list of non-empty strings", "stop_sequences")
-    messages = chat_messages(req)
-    body: dict[str, Any] = {"model": req.model, "messages": _with_prefill(messages), "tools": chat_tools(req.tools),
+    messages = _with_prefill(chat_messages(req))
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "tools": chat_tools(req.tools),
                             "tool_choice": choice, "parallel_tool_calls": parallel, **prefill_flags(messages)}
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,

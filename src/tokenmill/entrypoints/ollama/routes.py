@@ -226,7 +226,8 @@ class OllamaServing:
         if name not in card.names():
             raise RequestError(f"model '{name}' not found", 404)
         chat = self.server().chat
-        template = getattr(self.manager.tokenizer, "chat_template", None) or ""
+        # a model without one is rendered as Ollama's default template renders it (see _generate)
+        template = getattr(self.manager.tokenizer, "chat_template", None) or "{{ .Prompt }}"
         return JSONResponse(card.show(template, chat.tool_parser is not None, chat.reasoning_parser is not None))
 
 
