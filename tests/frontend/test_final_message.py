@@ -9,7 +9,7 @@ import pytest
 
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.chat_template import render_chat_template
-from tokenmill.frontend.final_message import prefill_flags
+from tokenmill.frontend.final_message import message_text, split_prefill
 from tokenmill.frontend.tokenizer import Tokenizer
 
 QUESTION = {"role": "user", "content": "What is the capital of France?"}
@@ -65,10 +65,21 @@ def test_a_template_that_rewrites_the_message_is_refused() -> None:
                              continue_final_message=True)
 
 
-def test_prefill_flags_only_for_a_final_assistant_text() -> None:
+def test_split_prefill_continues_a_final_assistant_text_and_leaves_out_an_empty_one() -> None:
     continued = {"add_generation_prompt": False, "continue_final_message": True}
-    assert prefill_flags([QUESTION, {"role": "assistant", "content": "The"}]) == continued
-    assert prefill_flags([QUESTION]) == {}
-    assert prefill_flags([QUESTION, {"role": "assistant", "content": ""}]) == continued  # the open turn
+    prefilled = [QUESTION, {"role": "assistant", "content": "The"}]
+    assert split_prefill(prefilled) == (prefilled, continued)
+    assert split_prefill([QUESTION]) == ([QUESTION], {})
+    for empty in ("", " \n", None, []):
+        assert split_prefill([QUESTION, {"role": "assistant", "content": empty}]) == ([QUESTION], {})
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    assert prefill_flags([QUESTION, {"role": "assistant", "content": "x", "tool_calls": [call]}]) == {}
+    calling = [QUESTION, {"role": "assistant", "content": "x", "tool_calls": [call]}]
+    assert split_prefill(calling) == (calling, {})
+    with pytest.raises(InvalidRequest, match="only an empty assistant turn"):
+        split_prefill([{"role": "assistant", "content": ""}])
+
+
+def test_message_text_joins_text_parts_as_string_templates_see_them() -> None:
+    parts = [{"type": "text", "text": "Paris."}, {"type": "text", "text": "Also,"}]
+    assert message_text({"role": "assistant", "content": parts}) == "Paris.\nAlso,"
+    assert message_text({"role": "assistant", "content": "x"}) == "x"

@@ -109,3 +109,19 @@ def test_reasoning_tokens_find_a_multi_token_end_marker_or_fall_back_to_the_text
 def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown reasoning parser 'r2'; known: deepseek_r1, qwen3"):
         get_reasoning_parser("r2")
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize(("prefill", "in_thought"), [
+    ("The capital of France is", False),  # an answer's start: DeepSeek-R1's parser too reads an answer
+    ("<think>", True),
+    ("<think>\nLet me see,", True),
+    ("<think>Checked.</think>So", False),
+])
+def test_a_continued_output_starts_where_its_prefill_left_off(name, prefill, in_thought):
+    st = get_reasoning_parser(name).new_state([END_ID], prefill)
+    _, reasoning, content = run(st, [" more", " text</think>", " answer"] if in_thought else [" Paris."])
+    if in_thought:
+        assert (reasoning, content) == (" more text", " answer")
+    else:
+        assert (reasoning, content, st.reasoning_tokens) == ("", " Paris.", 0)

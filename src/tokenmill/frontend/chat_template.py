@@ -137,7 +137,8 @@ def _normalize_messages(messages: Any, as_parts: bool) -> list[dict[str, Any]]:
             if not (role == "assistant" and message.get("tool_calls")):
                 state = "is null" if "content" in message else "is missing"
                 raise InvalidRequest(
-                    f"messages[{i}].content {state}: a {role} message needs text content "
+                    f"messages[{i}].content {state}: {'an' if role[0] in 'aeiou' else 'a'} {role} message needs "
+                    "text content "
                     "(only an assistant message with tool_calls may leave it out)", param="messages",
                 )
             # Empty text, as vLLM renders it: templates that concatenate content (SmolLM2's) would fail on None.

@@ -31,6 +31,16 @@ def final_text(messages: Any) -> str | None:
     return None
 
 
+def message_text(message: Mapping[str, Any]) -> str:
+    """A message's whole text as a string template sees it: a string, or its text parts joined by
+    newlines (chat_template.py's rule, vLLM's)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else []
+    return "\n".join(p["text"] for p in parts if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+
+
 # Appended to the final message before rendering, to find where the template wrote its end
 # (transformers' marker, so a template that trims the message is cut where transformers cuts it).
 _TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -67,11 +77,17 @@ def cut_at_tag(rendered: str, text: str) -> str:
     return rendered[:at] if rendered[at:at + len(_TAG)] == _TAG else rendered[:at].rstrip()
 
 
-def prefill_flags(messages: list[dict[str, Any]]) -> dict[str, bool]:
-    """The chat request's template flags for a conversation that ends with an assistant's text and no
-    tool calls (Anthropic's and Ollama's prefill): continue it rather than open a new turn (an empty
-    text continued is the open turn)."""
+def split_prefill(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, bool]]:
+    """A conversation as Anthropic's and Ollama's routes send it, and the chat request's template flags:
+    a final assistant turn with text and no tool calls is the reply's start, continued; one with no
+    text (empty, only spaces) starts nothing and is left out, so the reply opens its turn as usual
+    (continuing it would let a template that trims content cut the turn's header short)."""
     last = messages[-1] if messages else None
-    if last is None or last.get("role") != "assistant" or last.get("tool_calls") or final_text(messages) is None:
-        return {}
-    return {"add_generation_prompt": False, "continue_final_message": True}
+    if last is None or last.get("role") != "assistant" or last.get("tool_calls"):
+        return messages, {}
+    if (final_text(messages) or "").strip():
+        return messages, {"add_generation_prompt": False, "continue_final_message": True}
+    if len(messages) == 1:
+        raise InvalidRequest("messages holds only an empty assistant turn: there is nothing to answer",
+                             param="messages")
+    return messages[:-1], {}

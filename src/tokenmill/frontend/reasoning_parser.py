@@ -11,7 +11,9 @@ The two parsers differ only in how the output may begin (vLLM's behaviour):
   (DeepSeek-R1's template ends the prompt with `<think>\\n`, so the model never writes it).
 - `qwen3`: reasoning only when the output starts with `<think>`; otherwise it is all content (e.g.
   `enable_thinking: false`, where the template already closed an empty thought in the prompt).
-An output that ends before `</think>` is all reasoning (a thought cut by `max_tokens`).
+An output that ends before `</think>` is all reasoning (a thought cut by `max_tokens`). An output that
+continues a final message (a prefill) starts where that text left off: in a thought it opened, else
+in the answer.
 
 `reasoning_tokens` counts output tokens up to and including the end marker's token(s): found in the
 token ids where the marker's own ids appear, else (the model spelled it with other tokens) the
@@ -34,9 +36,15 @@ class ReasoningParser:
     end: str = "</think>"
     start_optional: bool = False  # True: text before the end marker is reasoning even without `start`
 
-    def new_state(self, end_ids: Sequence[int]) -> ReasoningState:
-        """`end_ids`: the end marker's token ids (encoded without special tokens), for the count."""
-        return ReasoningState(self, end_ids)
+    def new_state(self, end_ids: Sequence[int], prefill: str | None = None) -> ReasoningState:
+        """`end_ids`: the end marker's token ids (encoded without special tokens), for the count.
+        `prefill`: the final message's text that the output continues (None: the output opens a new
+        turn); a continued output is thinking only where that text opened a thought and did not close
+        it (Ollama's rule: the prompt ends with the opening tag), whatever the parser's own start."""
+        state = ReasoningState(self, end_ids)
+        if prefill is not None:
+            state.continue_from(prefill.rfind(self.start) > prefill.rfind(self.end))
+        return state
 
 
 REASONING_PARSERS: dict[str, ReasoningParser] = {
@@ -82,6 +90,12 @@ class ReasoningState:
         self._held = ""
         self._token_ids: list[int] = []
         self._tokens_at_text_end: int | None = None  # tokens received when the text showed the end marker
+        self._answer_only = False  # continues an answer: no output token is thinking
+
+    def continue_from(self, in_thought: bool) -> None:
+        """Starts inside a thought or inside the answer, as the text this output continues left off."""
+        self._phase = _Phase.REASONING if in_thought else _Phase.CONTENT
+        self._answer_only = not in_thought
 
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> ReasoningDelta:
         self._token_ids.extend(token_ids)
@@ -97,6 +111,8 @@ class ReasoningState:
 
     @property
     def reasoning_tokens(self) -> int:
+        if self._answer_only:
+            return 0
         if self._phase is _Phase.START and not self.parser.start_optional:
             return 0  # no start marker (yet): nothing counts as thinking
         if self._phase is not _Phase.CONTENT:

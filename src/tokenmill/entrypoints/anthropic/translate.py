@@ -18,7 +18,7 @@ from typing import Any
 from tokenmill.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.errors import InvalidRequest
-from tokenmill.frontend.final_message import prefill_flags
+from tokenmill.frontend.final_message import split_prefill
 
 
 def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
@@ -88,15 +88,11 @@ def _assistant_blocks(blocks: list[Any], at: str, messages: list[dict[str, Any]]
     messages.append(message)
 
 
-def _with_prefill(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation with its final assistant turn as the reply's start: continued where it holds
-    text (as Anthropic does, which refuses one that ends in whitespace), left out where it is empty."""
+def _no_trailing_whitespace(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Anthropic refuses a final assistant turn (the reply's start) that ends in whitespace."""
     last = messages[-1] if messages else None
-    if last is None or last["role"] != "assistant" or last.get("tool_calls"):
-        return messages
-    if not last["content"]:
-        return messages[:-1]
-    if last["content"] != last["content"].rstrip():
+    text = last.get("content") if last is not None and last["role"] == "assistant" else None
+    if isinstance(text, str) and text and text != text.rstrip():
         raise _invalid("messages: final assistant content cannot end with trailing whitespace")
     return messages
 
@@ -173,9 +169,9 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     stops = getattr(req, "stop_sequences", None)
     if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops)):
         raise _invalid("stop_sequences must be a list of non-empty strings", "stop_sequences")
-    messages = _with_prefill(chat_messages(req))
+    messages, flags = split_prefill(_no_trailing_whitespace(chat_messages(req)))
     body: dict[str, Any] = {"model": req.model, "messages": messages, "tools": chat_tools(req.tools),
-                            "tool_choice": choice, "parallel_tool_calls": parallel, **prefill_flags(messages)}
+                            "tool_choice": choice, "parallel_tool_calls": parallel, **flags}
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k)

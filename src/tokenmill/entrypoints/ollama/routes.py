@@ -43,7 +43,7 @@ from tokenmill.entrypoints.openai.serving_common import (
 from tokenmill.entrypoints.openai.serving_embedding import as_floats, embed_inputs
 from tokenmill.errors import InvalidRequest
 from tokenmill.frontend.chat_prompt_timing import timed_chat_prompt_ids
-from tokenmill.frontend.final_message import prefill_flags
+from tokenmill.frontend.final_message import final_text, split_prefill
 from tokenmill.frontend.forced_calls import ForcedCallState
 from tokenmill.frontend.model_router import keep_alive_seconds
 from tokenmill.frontend.reasoning_parser import ReasoningState
@@ -112,8 +112,8 @@ class OllamaServing:
         model = self.check_model(body)
         if not body.get("messages"):
             return self._load_reply(model, body, {"message": {"role": "assistant", "content": ""}})
-        fields: dict[str, Any] = {"messages": chat_messages(body["messages"])}
-        fields.update(prefill_flags(fields["messages"]))  # Ollama continues a final assistant message
+        messages, flags = split_prefill(chat_messages(body["messages"]))  # Ollama continues a final assistant text
+        fields: dict[str, Any] = {"messages": messages, **flags}
         choice = tool_choice(body.get("options"))
         if body.get("tools"):
             fields["tools"] = body["tools"]
@@ -174,7 +174,7 @@ class OllamaServing:
         reasoning = None
         if parser is not None and think is not False:
             end_ids = manager.tokenizer.encode(parser.end, add_special_tokens=False)
-            reasoning = parser.new_state(end_ids)
+            reasoning = parser.new_state(end_ids, final_text(req.messages) if req.continue_final_message else None)
         calls = _call_reader(req, serving_chat.tool_parser)
         seqs = [Seq(ids, child_params(params, 0))]
         outputs = manager.generate(new_id("ollama"), seqs, arrival=arrival, prompt_param="messages" if chat else "prompt")

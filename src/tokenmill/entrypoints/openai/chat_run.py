@@ -26,6 +26,7 @@ from tokenmill.entrypoints.openai.request_log import RequestRecord, record_of
 from tokenmill.entrypoints.openai.serving_common import ServingBase, check_model, new_id, usage
 from tokenmill.frontend.chat_prompt_timing import timed_chat_prompt_ids
 from tokenmill.frontend.choice_events import ChoiceStream, Event
+from tokenmill.frontend.final_message import final_text
 from tokenmill.frontend.forced_calls import ForcedCallState
 from tokenmill.frontend.reasoning_parser import ReasoningParser, ReasoningState
 from tokenmill.frontend.request_timelines import prompt_stages
@@ -115,7 +116,8 @@ class ChatRunner(ServingBase):
         record.request_id, record.prompt_tokens = request_id, len(prompt_ids)
         outputs = self.manager.generate(request_id, seqs, arrival=arrival, prompt_param="messages",
                                         cache_salt=req.cache_salt, stages=prompt_stages(tokenized, prompt_timing))
-        states = self._reasoning_states(params.n)
+        prefill = final_text(req.messages) if req.continue_final_message else None
+        states = self._reasoning_states(params.n, prefill)
         tools = self._tool_states(req, params.n)
         max_calls = 1 if req.parallel_tool_calls is False else None
         streams = [ChoiceStream(states[k] if states else None, tools[k] if tools else None, max_calls)
@@ -137,13 +139,13 @@ class ChatRunner(ServingBase):
             continue_final_message=bool(req.continue_final_message),
         )
 
-    def _reasoning_states(self, n: int) -> list[ReasoningState] | None:
+    def _reasoning_states(self, n: int, prefill: str | None = None) -> list[ReasoningState] | None:
         if self.reasoning_parser is None:
             return None
         if self._end_ids is None:
             assert self.manager.tokenizer is not None
             self._end_ids = self.manager.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False)
-        return [self.reasoning_parser.new_state(self._end_ids) for _ in range(n)]
+        return [self.reasoning_parser.new_state(self._end_ids, prefill) for _ in range(n)]
 
     def _tool_states(self, req: ChatCompletionRequest, n: int) -> list[CallReader] | None:
         choice = req.tool_choice

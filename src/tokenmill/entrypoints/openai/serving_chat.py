@@ -42,7 +42,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     with_timing,
 )
 from tokenmill.frontend.choice_events import CallArguments, CallStarted, Event, Reasoning, Text
-from tokenmill.frontend.final_message import final_text
+from tokenmill.frontend.final_message import message_text
 from tokenmill.frontend.tool_call import ToolCall
 
 
@@ -52,10 +52,11 @@ class ChatServing(ChatRunner):
         req = await parse_body(raw, ChatCompletionRequest)
         run = await self.start(raw, req, arrival)
         want_logprobs = run.params.logprobs is not None
-        echo = _echoed(req)
+        role = _reply_role(req)
+        echo = _echoed(req, role)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = self._stream(run, want_logprobs, include_usage, echo)
+            stream = self._stream(run, want_logprobs, include_usage, role, echo)
             if req.include_timing:
                 head = {"id": run.request_id, "object": "chat.completion.chunk", "created": now_s(), "model": run.model}
                 stream = with_timing(stream, self.manager, run.request_id, head)
@@ -65,16 +66,16 @@ class ChatServing(ChatRunner):
             await unless_disconnected(raw, run.collect())
         except ClientDisconnected:
             return disconnected_response()
-        body = self._body(run, want_logprobs, echo)
+        body = self._body(run, want_logprobs, role, echo)
         run.record.set_usage(body["usage"])
         if req.include_timing:
             body["timing"] = await request_timing(self.manager, run.request_id)
         return json_response(body, self.manager, run.request_id, arrival)
 
-    def _body(self, run: ChatRun, want_logprobs: bool, echo: str) -> dict:
+    def _body(self, run: ChatRun, want_logprobs: bool, role: str, echo: str) -> dict:
         def message(i: int) -> dict:
             stream = run.streams[i]
-            body: dict = {"role": "assistant", "content": stream.text}
+            body: dict = {"role": role, "content": stream.text}
             if run.count_reasoning:
                 body["reasoning_content"] = stream.reasoning_text or None
             if stream.calls or stream.forced:
@@ -103,7 +104,7 @@ class ChatServing(ChatRunner):
             "usage": run.usage(),
         }
 
-    async def _stream(self, run: ChatRun, want_logprobs: bool, include_usage: bool,
+    async def _stream(self, run: ChatRun, want_logprobs: bool, include_usage: bool, role: str,
                       echo: str) -> AsyncIterator[str]:
         base = {"id": run.request_id, "object": "chat.completion.chunk", "created": now_s(), "model": run.model}
 
@@ -119,7 +120,7 @@ class ChatServing(ChatRunner):
 
         try:
             for i in range(len(run.streams)):
-                yield chunk(i, {"role": "assistant", "content": ""})
+                yield chunk(i, {"role": role, "content": ""})
                 if echo:
                     yield chunk(i, {"content": echo})
             async for i, out, events in run.events():
@@ -148,13 +149,22 @@ class ChatServing(ChatRunner):
         yield DONE
 
 
-def _echoed(req: ChatCompletionRequest) -> str:
-    """What `echo` puts before each reply (vLLM's rule): the final message's text when it is the
-    assistant's, the turn the reply continues; nothing otherwise."""
+def _reply_role(req: ChatCompletionRequest) -> str:
+    """The reply's role (vLLM's rule): the assistant's, unless the request opens no new turn
+    (add_generation_prompt false): then the final message's, whose turn the reply goes on with."""
     last = req.messages[-1] if req.messages else None
-    if not req.echo or not isinstance(last, dict) or last.get("role") != "assistant":
+    if req.add_generation_prompt is not False or not isinstance(last, dict) or not isinstance(last.get("role"), str):
+        return "assistant"
+    return last["role"]
+
+
+def _echoed(req: ChatCompletionRequest, role: str) -> str:
+    """What `echo` puts before each reply (vLLM's rule): the final message's whole text where that
+    message is the reply's role; nothing otherwise."""
+    last = req.messages[-1] if req.messages else None
+    if not req.echo or not isinstance(last, dict) or last.get("role") != role:
         return ""
-    return final_text(req.messages) or ""
+    return message_text(last)
 
 
 def _deltas_of(events: list[Event]) -> list[dict]:
