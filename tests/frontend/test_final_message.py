@@ -70,7 +70,9 @@ def test_split_prefill_continues_a_final_assistant_text_and_leaves_out_an_empty_
     prefilled = [QUESTION, {"role": "assistant", "content": "The"}]
     assert split_prefill(prefilled) == (prefilled, continued)
     assert split_prefill([QUESTION]) == ([QUESTION], {})
-    for empty in ("", " \n", None, []):
+    spaced = [{"type": "text", "text": "The"}, {"type": "text", "text": " "}]  # blank only in its last part
+    assert split_prefill([QUESTION, {"role": "assistant", "content": spaced}])[1] == continued
+    for empty in ("", " \n", None, [], [{"type": "text", "text": " "}]):
         assert split_prefill([QUESTION, {"role": "assistant", "content": empty}]) == ([QUESTION], {})
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     calling = [QUESTION, {"role": "assistant", "content": "x", "tool_calls": [call]}]

@@ -85,7 +85,7 @@ def split_prefill(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
     last = messages[-1] if messages else None
     if last is None or last.get("role") != "assistant" or last.get("tool_calls"):
         return messages, {}
-    if (final_text(messages) or "").strip():
+    if message_text(last).strip():
         return messages, {"add_generation_prompt": False, "continue_final_message": True}
     if len(messages) == 1:
         raise InvalidRequest("messages holds only an empty assistant turn: there is nothing to answer",
