@@ -80,3 +80,6 @@ def test_ollama_generate_without_a_template_sends_the_prompt_as_it_is():
     chat = http.post("/api/chat", json={"model": "fake-model", "messages": CHAT["messages"], "stream": False})
     assert chat.status_code == 400 and "--chat-template" in chat.json()["error"]
     assert http.post("/api/show", json={"model": "fake-model"}).json()["template"] == "{{ .Prompt }}"
+    # a request's own Go template cannot run here: a 400 that says what does, not a silent ignore
+    own = http.post("/api/generate", json={"model": "fake-model", "prompt": "Hi", "template": "{{ .Prompt }}!"})
+    assert own.status_code == 400 and "raw: true" in own.json()["error"]

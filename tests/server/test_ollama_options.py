@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.entrypoints.ollama.options import chat_messages, response_format, sampling_fields, tool_choice
+from tokenmill.entrypoints.ollama.options import (
+    chat_messages,
+    check_generate_fields,
+    response_format,
+    sampling_fields,
+    tool_choice,
+)
 from tokenmill.entrypoints.openai.params import chat_sampling_params
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.errors import InvalidRequest
@@ -61,3 +67,13 @@ def test_messages_with_tool_calls_and_results():
     assert out[2]["tool_call_id"] == "w"
     with pytest.raises(InvalidRequest):
         chat_messages([{"role": "user", "content": "x", "images": ["abc"]}])
+
+
+def test_generate_fields_this_server_cannot_honour_are_refused_not_ignored():
+    check_generate_fields({"prompt": "hi", "suffix": "", "template": None})  # empty: as if not sent
+    for field, value, says in (("suffix", "return x", "does not support insert"),
+                               ("template", "{{ .Prompt }}", "raw: true")):
+        with pytest.raises(InvalidRequest, match=says) as info:
+            check_generate_fields({"prompt": "def f(", field: value})
+        assert info.value.param == field
+

@@ -104,3 +104,15 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                 msg["name"] = m["tool_name"]
         out.append(msg)
     return out
+
+
+def check_generate_fields(body: dict[str, Any]) -> None:
+    """/api/generate's fields this server cannot honour, refused rather than ignored: `suffix` (fill in
+    the middle; Ollama too refuses it for a model without that capability) and `template` (a Go
+    template for this request: the model's own chat template is what renders here, or `raw: true`)."""
+    if body.get("suffix"):
+        raise InvalidRequest("suffix: this model does not support insert (fill in the middle)", param="suffix")
+    if body.get("template"):
+        raise InvalidRequest("template: a request's own Go template is not supported; the model's chat template "
+                             "renders the prompt (send raw: true with a prompt you formatted yourself)",
+                             param="template")

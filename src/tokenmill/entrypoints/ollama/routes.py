@@ -23,7 +23,13 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
-from tokenmill.entrypoints.ollama.options import chat_messages, response_format, sampling_fields, tool_choice
+from tokenmill.entrypoints.ollama.options import (
+    chat_messages,
+    check_generate_fields,
+    response_format,
+    sampling_fields,
+    tool_choice,
+)
 from tokenmill.entrypoints.ollama.replies import (
     OLLAMA_API_VERSION,
     ModelCard,
@@ -134,6 +140,7 @@ class OllamaServing:
             return self._load_reply(model, body, {"response": ""})
         if body.get("images"):
             raise InvalidRequest("images: this model takes no images", param="images")
+        check_generate_fields(body)
         messages = ([{"role": "system", "content": body["system"]}] if body.get("system") else []) + \
             [{"role": "user", "content": prompt}]
         return await self._generate(model, body, {"messages": messages}, arrival, raw, chat=False)
