@@ -97,6 +97,25 @@ def test_anthropic_tool_choice(choice, expected):
     assert anthropic_chat(req).tool_choice == expected
 
 
+USE = {"type": "tool_use", "id": "t1", "name": "w", "input": {}}
+RESULT = {"type": "tool_result", "tool_use_id": "t1", "content": "18 C"}
+ASK = {"role": "user", "content": "Weather?"}
+
+
+@pytest.mark.parametrize(("turns", "says"), [
+    ([ASK, {"role": "assistant", "content": [USE]}, ASK], "messages[1]: tool_use ids were found without tool_result"),
+    ([ASK, {"role": "assistant", "content": [{"type": "text", "text": "Let me"}, USE]}],  # a prefill with a call
+     "messages[1]: tool_use ids were found without tool_result blocks immediately after: t1"),
+    ([ASK, {"role": "assistant", "content": [USE]}, {"role": "assistant", "content": "So"}], "messages[1]: tool_use"),
+    ([ASK, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": [RESULT]}],
+     "messages[2].content[0]: unexpected tool_use_id found in tool_result blocks: t1"),
+])
+def test_anthropic_tool_use_and_tool_result_come_in_pairs(turns, says):
+    with pytest.raises(InvalidRequest) as info:
+        anthropic_chat(MessagesRequest.model_validate({"max_tokens": 5, "messages": turns}))
+    assert says in info.value.message and info.value.param == "messages"
+
+
 def test_anthropic_refusals_name_the_block():
     req = MessagesRequest.model_validate({"max_tokens": 5, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "document"}]}]})

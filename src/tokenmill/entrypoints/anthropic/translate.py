@@ -41,7 +41,37 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             _user_blocks(content, at, messages)
         else:
             _assistant_blocks(content, at, messages)
+    _check_tool_pairs(req.messages)
     return messages
+
+
+def _check_tool_pairs(turns: list[dict[str, Any]]) -> None:
+    """Anthropic's rule, with its words: each tool_use block has its tool_result in the next message,
+    and each tool_result answers a tool_use of the message before it (a call left unanswered would
+    otherwise reach the template as a turn the model never saw the end of)."""
+    asked: list[str] = []  # the previous assistant turn's tool_use ids
+    for i, turn in enumerate(turns):
+        blocks = [b for b in turn["content"] if isinstance(b, dict)] if isinstance(turn["content"], list) else []
+        answered = []
+        if turn["role"] == "user":
+            for k, block in enumerate(blocks):
+                if block.get("type") == "tool_result":
+                    if block["tool_use_id"] not in asked:
+                        raise _invalid(f"messages[{i}].content[{k}]: unexpected tool_use_id found in tool_result "
+                                       f"blocks: {block['tool_use_id']}. Each tool_result block must have a "
+                                       "corresponding tool_use block in the previous message")
+                    answered.append(block["tool_use_id"])
+        _check_answered(asked, answered, i - 1)
+        asked = [b["id"] for b in blocks if b.get("type") == "tool_use"] if turn["role"] == "assistant" else []
+    _check_answered(asked, [], len(turns) - 1)
+
+
+def _check_answered(asked: list[str], answered: list[str], at: int) -> None:
+    missing = [call for call in asked if call not in answered]
+    if missing:
+        raise _invalid(f"messages[{at}]: tool_use ids were found without tool_result blocks immediately after: "
+                       f"{', '.join(missing)}. Each tool_use block must have a corresponding tool_result block in "
+                       "the next message")
 
 
 def _user_blocks(blocks: list[Any], at: str, messages: list[dict[str, Any]]) -> None:
