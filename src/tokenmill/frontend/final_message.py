@@ -17,6 +17,14 @@ from typing import Any
 from tokenmill.errors import InvalidRequest
 
 
+def _last_text_part(content: Any) -> Any:
+    """A list content's last part that holds text, or None."""
+    for part in reversed(content if isinstance(content, list) else []):
+        if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+            return part
+    return None
+
+
 def final_text(messages: Any) -> str | None:
     """The final message's text (a string, or its last text part), or None where it has none."""
     if not isinstance(messages, list) or not messages or not isinstance(messages[-1], Mapping):
@@ -24,11 +32,8 @@ def final_text(messages: Any) -> str | None:
     content = messages[-1].get("content")
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        for part in reversed(content):
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                return part["text"]
-    return None
+    part = _last_text_part(content)
+    return part["text"] if part is not None else None
 
 
 def message_text(message: Mapping[str, Any]) -> str:
@@ -53,18 +58,14 @@ def tag_final_message(messages: list[dict[str, Any]], sent: Any) -> str:
     if final_text(sent) is None:
         raise InvalidRequest("continue_final_message needs a final message with text to continue",
                              param="continue_final_message")
+    # The copy holds what `sent` held, normalized: a string, or text parts (at least one, as `sent` has).
     last = messages[-1]
-    content = last.get("content")
-    if isinstance(content, str):
-        last["content"] = content + _TAG
-        return content
-    for part in reversed(content if isinstance(content, list) else []):
-        if isinstance(part, dict) and isinstance(part.get("text"), str):
-            text = part["text"]
-            part["text"] = text + _TAG
-            return text
-    raise InvalidRequest("continue_final_message needs a final message with text to continue",
-                         param="continue_final_message")
+    if isinstance(last["content"], str):
+        text, last["content"] = last["content"], last["content"] + _TAG
+        return text
+    part = _last_text_part(last["content"])
+    text, part["text"] = part["text"], part["text"] + _TAG
+    return text
 
 
 def cut_at_tag(rendered: str, text: str) -> str:

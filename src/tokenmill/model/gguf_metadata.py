@@ -25,7 +25,7 @@ def read_gguf_metadata(path: str) -> dict[str, Any]:
     """Every metadata key: scalars as Python values, strings as str, numeric arrays as numpy arrays,
     string arrays as lists of str."""
     with open(path, "rb") as f:
-        count = _key_count(f)
+        _, count = _counts(f)
         reader = _Reader(f)
         return {reader.string(): reader.value(reader.u32()) for _ in range(count)}
 
@@ -34,10 +34,7 @@ def read_gguf_metadata_and_parameters(path: str) -> tuple[dict[str, Any], int]:
     """read_gguf_metadata's keys, and the weights the tensor table after them counts (every tensor's
     elements), in one pass over the header."""
     with open(path, "rb") as f:
-        head = f.read(_HEADER_BYTES)
-        if len(head) < _HEADER_BYTES or head[:4] != GGUF_MAGIC:
-            raise ValueError("not a GGUF file")
-        tensors, count = struct.unpack_from("<QQ", head, 8)
+        tensors, count = _counts(f)
         reader = _Reader(f)
         meta = {reader.string(): reader.value(reader.u32()) for _ in range(count)}
         total = 0
@@ -53,7 +50,7 @@ def write_metadata_only(path: str, dest: str) -> None:
     tokenizer through gguf-py's GGUFReader, which also parses the tensor table and refuses a file
     holding a type it does not know (a newer llama.cpp's Q2_0): the tokenizer needs the metadata only."""
     with open(path, "rb") as f:
-        count = _key_count(f)
+        _, count = _counts(f)
         reader = _Reader(f)
         for _ in range(count):
             reader.string()
@@ -67,12 +64,12 @@ def write_metadata_only(path: str, dest: str) -> None:
         out.write(magic_and_version + struct.pack("<QQ", 0, count) + body)
 
 
-def _key_count(f) -> int:
-    """The header's key-value count, leaving `f` at the first key (ValueError if not a GGUF)."""
+def _counts(f) -> tuple[int, int]:
+    """The header's tensor and key-value counts, leaving `f` at the first key (ValueError if not a GGUF)."""
     head = f.read(_HEADER_BYTES)
     if len(head) < _HEADER_BYTES or head[:4] != GGUF_MAGIC:
         raise ValueError("not a GGUF file")
-    return struct.unpack_from("<Q", head, 16)[0]
+    return struct.unpack_from("<QQ", head, 8)
 
 
 class _Reader:
